@@ -1,0 +1,264 @@
+"""Capture front ends: model → GraphModule whose weights are ``get_attr`` nodes.
+
+* ``symbolic``: a ``torch.fx.Tracer`` that traces *through* torch.nn layers (``nn.Linear``
+  becomes ``F.linear(x, self.weight, self.bias)``), except layers whose forward depends on
+  ``self.training`` (BatchNorm, InstanceNorm, Dropout), which stay ``call_module`` leaves so
+  that ``gm.train()`` / ``gm.eval()`` keep working. ``with torch.autocast(...)`` regions that
+  the model opens are recorded on the nodes they contain (plain symbolic_trace drops them).
+* ``export``: ``torch.export.export(...).module()``: ATen-level nodes with ``meta["val"]``;
+  ``wrap_with_autocast`` regions are inlined and recorded the same way.
+
+Both return a GraphModule that shares the model's parameters and buffers (the same tensor
+objects: fp32 master weights) and never modifies the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from ._errors import AmpRewriteError
+from ._opkey import module_op_names
+from ._registry import registered_functions
+from ._runtime import RUNTIME_FUNCTIONS
+
+__all__ = ["Region", "REGION_KEY", "capture_symbolic", "capture_export", "propagate_meta"]
+
+REGION_KEY = "amprewrite_autocast"
+"""``node.meta[REGION_KEY]``: the innermost ``torch.autocast`` region of the model's own code
+that contains the node (a :class:`Region`); absent outside any region."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    device_type: str
+    dtype: torch.dtype | None
+    enabled: bool
+
+
+# ---------------------------------------------------------------------------------------------
+# symbolic
+class _AmpTracer(fx.Tracer):
+    def __init__(self) -> None:
+        super().__init__(autowrap_functions=RUNTIME_FUNCTIONS + registered_functions())
+        self.regions: list[Region] = []
+        self.leaf_types = tuple(t for t, _ in module_op_names())
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, self.leaf_types) or isinstance(m, fx.GraphModule) and False
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        if self.regions:
+            node.meta[REGION_KEY] = self.regions[-1]
+        return node
+
+    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        autocast_cls = torch.amp.autocast_mode.autocast
+        enter, exit_ = autocast_cls.__enter__, autocast_cls.__exit__
+        tracer = self
+
+        # Record regions instead of entering them: the model's autocast calls run at trace
+        # time and would otherwise vanish from the graph.
+        def _enter(ac: Any) -> Any:
+            tracer.regions.append(Region(ac.device, ac.fast_dtype if ac._enabled else None,
+                                         bool(ac._enabled)))
+            return ac
+
+        def _exit(ac: Any, *exc: Any) -> bool:
+            tracer.regions.pop()
+            return False
+
+        autocast_cls.__enter__, autocast_cls.__exit__ = _enter, _exit  # type: ignore[method-assign]
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            autocast_cls.__enter__, autocast_cls.__exit__ = enter, exit_  # type: ignore[method-assign]
+
+
+def capture_symbolic(model: nn.Module) -> fx.GraphModule:
+    """Trace ``model`` through its nn layers. Raises AmpRewriteError naming the construct the
+    tracer could not follow, and pointing at ``example_inputs`` (torch.export) instead."""
+    tracer = _AmpTracer()
+    try:
+        graph = tracer.trace(model)
+    except Exception as exc:  # the tracer raises many types; all mean "not traceable"
+        raise AmpRewriteError(
+            f"symbolic tracing of {type(model).__name__} failed: {type(exc).__name__}: {exc}\n"
+            "The symbolic tracer cannot follow data-dependent control flow or Python on tensor "
+            "values. Pass example_inputs=(...) to capture with torch.export instead, or use "
+            "amprewrite.compile(model) for models with graph breaks."
+        ) from exc
+    gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
+    _unshare_leaf_modules(gm)
+    return gm
+
+
+def _unshare_leaf_modules(gm: fx.GraphModule) -> None:
+    """Give the GraphModule its own leaf-module objects (same parameter and buffer tensors)
+    so that ``gm.eval()`` does not flip the training flag of the user's model."""
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        parent_name, _, attr = str(node.target).rpartition(".")
+        parent = gm.get_submodule(parent_name)
+        original = getattr(parent, attr)
+        clone = copy.copy(original)
+        for field in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+            setattr(clone, field, copy.copy(getattr(original, field)))
+        # Drop hook dicts shared with the original (copy.copy shares them).
+        for field, value in vars(original).items():
+            if field.endswith("_hooks") and isinstance(value, dict):
+                setattr(clone, field, copy.copy(value))
+        setattr(parent, attr, clone)
+    # Intermediate modules GraphModule created are fresh; the root's flag follows the model's.
+    gm.train(gm.training)
+
+
+# ---------------------------------------------------------------------------------------------
+# export
+def capture_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None) -> fx.GraphModule:
+    """Capture with ``torch.export`` (non-strict), with dynamic dimensions where the model
+    allows them, so that the converted module accepts other batch sizes and lengths."""
+    dynamic = _auto_dynamic_shapes(args, kwargs)
+    try:
+        with _CopyingDtypeConversions():
+            try:
+                ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic,
+                                         strict=False)
+            except Exception:
+                ep = torch.export.export(model, args, kwargs, strict=False)
+    except Exception as exc:
+        raise AmpRewriteError(
+            f"torch.export could not capture {type(model).__name__}: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}\n"
+            "Models with data-dependent control flow or graph breaks convert with "
+            "amprewrite.compile(model) (a torch.compile backend) instead."
+        ) from exc
+    unlifted = ep.module()
+    gm = fx.GraphModule(unlifted, unlifted.graph, class_name=type(model).__name__)
+    _inline_autocast_regions(gm)
+    _drop_dtype_assertions(gm)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    gm.train(model.training)
+    return gm
+
+
+class _CopyingDtypeConversions(torch.overrides.TorchFunctionMode):
+    """Record ``x.float()`` / ``x.to(dtype)`` as ``_to_copy`` even when ``x`` already has
+    that dtype.
+
+    NB: in eager such a call returns ``x`` itself, and export, which follows tensors by
+    identity, would then route every later use of ``x`` through the conversion node. Once AMP
+    gives ``x`` another dtype, those uses would change precision. A copy keeps them apart;
+    EliminateCastsPass removes the copies that stay identities.
+    """
+
+    _METHODS = {torch.Tensor.float: torch.float32, torch.Tensor.half: torch.float16,
+                torch.Tensor.bfloat16: torch.bfloat16, torch.Tensor.double: torch.float64}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        dtype = self._METHODS.get(func)
+        if dtype is None and func is torch.Tensor.to:
+            dtype = _plain_dtype_conversion(args, kwargs)
+        if dtype is not None and len(args) == (1 if func is not torch.Tensor.to else 2) and \
+                isinstance(args[0], torch.Tensor) and args[0].dtype == dtype:
+            return torch.ops.aten._to_copy.default(args[0], dtype=dtype)
+        return func(*args, **kwargs)
+
+
+def _plain_dtype_conversion(args: Any, kwargs: Any) -> torch.dtype | None:
+    if len(args) == 2 and isinstance(args[1], torch.dtype) and not kwargs:
+        return args[1]
+    return None
+
+
+def _auto_dynamic_shapes(args: tuple, kwargs: dict[str, Any] | None) -> Any:
+    auto = torch.export.Dim.AUTO
+
+    def spec(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return {i: auto for i in range(x.dim())}
+        if isinstance(x, (list, tuple)):
+            return type(x)(spec(v) for v in x)
+        if isinstance(x, dict):
+            return {k: spec(v) for k, v in x.items()}
+        return None
+
+    if kwargs:
+        return None  # mixing positional and keyword specs: keep shapes static
+    return tuple(spec(a) for a in args)
+
+
+def _drop_dtype_assertions(gm: fx.GraphModule) -> None:
+    """Export records the fp32 dtypes it saw as ``_assert_tensor_metadata`` checks; after
+    conversion those dtypes change by design, so the checks must go."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in (
+                torch.ops.aten._assert_tensor_metadata.default,):
+            gm.graph.erase_node(node)
+
+
+def _inline_autocast_regions(gm: fx.GraphModule) -> None:
+    """Replace each ``wrap_with_autocast(device, dtype, enabled, cache, submod, *xs)`` node by
+    the submodule's nodes, each tagged with the region, so that the passes see (and honour)
+    the model's own autocast regions and no autocast is entered at run time."""
+    hop = torch.ops.higher_order.wrap_with_autocast
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not hop:
+            continue
+        device_type, dtype, enabled, _cache, submod_node, *operands = node.args
+        sub = getattr(gm, submod_node.target)
+        _inline_autocast_regions(sub)
+        region = Region(device_type, dtype if enabled else None, bool(enabled))
+        env: dict[fx.Node, Any] = {}
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        env.update(zip(placeholders, operands))
+        outputs: Any = None
+        with gm.graph.inserting_before(node):
+            for sub_node in sub.graph.nodes:
+                if sub_node.op == "placeholder":
+                    continue
+                if sub_node.op == "output":
+                    outputs = fx.node.map_arg(sub_node.args[0], lambda n: env[n])
+                    continue
+                if sub_node.op == "get_attr":
+                    value = getattr(sub, sub_node.target)
+                    name = f"{submod_node.target}_{sub_node.target}"
+                    setattr(gm, name, value)
+                    new = gm.graph.get_attr(name)
+                else:
+                    new = gm.graph.node_copy(sub_node, lambda n: env[n])
+                new.meta = dict(sub_node.meta)
+                new.meta.setdefault(REGION_KEY, region)
+                env[sub_node] = new
+        outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(outs[user.args[1]])
+                gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        gm.graph.erase_node(submod_node) if not submod_node.users else None
+        delattr(gm, submod_node.target)
+
+
+# ---------------------------------------------------------------------------------------------
+# dtype knowledge for symbolic graphs
+def propagate_meta(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any] | None) -> None:
+    """Fill ``meta["val"]`` of every node by running the graph on fake copies of the inputs."""
+    if kwargs:
+        placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+        args = tuple(args) + tuple(kwargs[p] for p in placeholders[len(args):] if p in kwargs)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_args)

@@ -1,0 +1,141 @@
+"""``convert``: capture a model, classify its ops, insert explicit casts, clean them up."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.passes.infra.pass_manager import PassManager
+
+from ._capture import capture_export, capture_symbolic, propagate_meta
+from ._classify import ClassifyPass
+from ._eliminate_casts import EliminateCastsPass, _report
+from ._insert_casts import InsertCastsPass
+from ._meta import META_KEY, cast_info
+from .policy import Policy, check_low_dtype
+
+__all__ = ["convert", "amp_passes", "resolve_dtype"]
+
+_CAPTURES = ("auto", "symbolic", "export")
+
+
+def resolve_dtype(model: nn.Module, policy: Policy, dtype: torch.dtype | None) -> torch.dtype:
+    """``dtype`` argument > the policy's dtype > fp16 for a model on CUDA, bf16 otherwise."""
+    if dtype is not None:
+        return check_low_dtype(dtype, "amprewrite.convert")
+    if policy.dtype is not None:
+        return policy.dtype
+    first = next(iter(model.parameters()), None)
+    return torch.float16 if first is not None and first.is_cuda else torch.bfloat16
+
+
+def amp_passes(policy: Policy, dtype: torch.dtype) -> list:
+    """The graph-to-graph steps of a conversion, in order (each is idempotent)."""
+    return [ClassifyPass(policy, dtype), InsertCastsPass(policy, dtype),
+            EliminateCastsPass(policy)]
+
+
+def convert(
+    model: nn.Module,
+    example_inputs: tuple | None = None,
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    policy: Policy | None = None,
+    dtype: torch.dtype | None = None,
+    capture: str = "auto",
+) -> fx.GraphModule:
+    """Rewrite ``model`` into a GraphModule that runs in mixed precision with explicit casts.
+
+    Args:
+        model: any ``nn.Module``; it is not modified. The result shares its parameters
+            (fp32 master weights): an optimizer over ``model.parameters()`` trains it.
+        example_inputs: a tuple of positional arguments. With them, dtypes are known
+            statically (every cast is exact and visible); without them, the symbolic tracer
+            is used and activation casts check their input at run time.
+        example_kwargs: keyword arguments to go with ``example_inputs``.
+        policy: op precision rules; default :class:`Policy()` (CUDA AMP rules everywhere).
+        dtype: torch.float16 or torch.bfloat16; default fp16 for models on CUDA, else bf16.
+        capture: ``"auto"`` (export when example inputs are given, else symbolic),
+            ``"symbolic"`` or ``"export"``.
+
+    Returns:
+        A ``torch.fx.GraphModule``; ``print(gm.code)`` shows every cast, and
+        ``amprewrite.explain(gm)`` every decision.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"amprewrite.convert expects a torch.nn.Module, got "
+                        f"{type(model).__name__}; wrap functions in an nn.Module first.")
+    if example_inputs is not None and not isinstance(example_inputs, tuple):
+        raise TypeError(
+            f"amprewrite.convert: example_inputs must be a tuple of positional arguments, got "
+            f"{type(example_inputs).__name__}; for one input write example_inputs=(x,).")
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise TypeError(f"amprewrite.convert: example_kwargs must be a dict, got "
+                        f"{type(example_kwargs).__name__}")
+    if capture not in _CAPTURES:
+        raise ValueError(f"amprewrite.convert: capture={capture!r} is unknown; expected one of "
+                         f"{', '.join(map(repr, _CAPTURES))}")
+    if policy is None:
+        policy = Policy()
+    if not isinstance(policy, Policy):
+        raise TypeError(f"amprewrite.convert: policy must be an amprewrite.Policy, got "
+                        f"{type(policy).__name__}")
+    if capture == "export" and example_inputs is None:
+        raise ValueError("amprewrite.convert(capture='export') needs example_inputs=(...)")
+    low = resolve_dtype(model, policy, dtype)
+
+    has_inputs = example_inputs is not None or example_kwargs is not None
+    if capture == "export" or (capture == "auto" and has_inputs):
+        gm = capture_export(model, example_inputs or (), example_kwargs)
+    else:
+        gm = capture_symbolic(model)
+        if has_inputs:
+            propagate_meta(gm, example_inputs or (), example_kwargs)
+    gm.meta.pop(META_KEY, None)
+    _check_node_overrides(gm, policy)
+    run_passes(gm, policy, low)
+    return gm
+
+
+def run_passes(gm: fx.GraphModule, policy: Policy, dtype: torch.dtype) -> fx.GraphModule:
+    """Run the amprewrite passes on a captured GraphModule (in place) and recompile it."""
+    report = _report(gm)
+    PassManager(passes=amp_passes(policy, dtype), run_checks_after_each_pass=True)(gm)
+    casts = [n for n in gm.graph.nodes if cast_info(n) is not None]
+    report.inserted = len(casts)
+    report.guarded = sum(1 for n in casts if cast_info(n).guarded)
+    gm.meta["amprewrite_policy"] = (policy, dtype)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _check_node_overrides(gm: fx.GraphModule, policy: Policy) -> None:
+    import difflib
+
+    names = {n.name for n in gm.graph.nodes}
+    unknown = [k for k, _ in policy.node_overrides if k not in names]
+    if unknown:
+        raise ValueError(
+            "Policy node overrides name nodes that are not in the captured graph: "
+            + "; ".join(f"{k!r} (near: {', '.join(difflib.get_close_matches(k, names, 3)) or '-'})"
+                        for k in unknown)
+            + ". Node names come from amprewrite.explain(gm) of this capture path.")
+    modules = {q for q, _ in gm.named_modules()}
+    import fnmatch
+
+    all_paths = set(modules)
+    from ._classify import module_paths
+
+    for n in gm.graph.nodes:
+        all_paths.update(module_paths(n))
+    unmatched = [p for p, _ in policy.module_overrides
+                 if not any(fnmatch.fnmatchcase(q, p) for q in all_paths if q)]
+    if unmatched:
+        raise ValueError(
+            "Policy module overrides match no module of the model: "
+            + "; ".join(f"{p!r} (near: {', '.join(difflib.get_close_matches(p, all_paths, 3)) or '-'})"
+                        for p in unmatched)
+            + ". Use qualified names as in model.named_modules(), globs allowed.")

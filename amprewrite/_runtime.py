@@ -1,0 +1,44 @@
+"""Functions that converted graphs call at run time (they appear by name in ``gm.code``).
+
+They are used only where the dtypes of a graph are unknown at conversion time (symbolic
+capture without example inputs): the cast then checks its input when it runs, with exactly
+autocast's eligibility rule (a floating tensor, not fp64, on the policy's device).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["guarded_cast", "guarded_promote", "fp32_if_eligible", "RUNTIME_FUNCTIONS"]
+
+
+def _eligible(x: Any, device_type: str | None) -> bool:
+    return (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
+            and (device_type is None or x.device.type == device_type))
+
+
+def guarded_cast(x: Any, dtype: torch.dtype, device_type: str | None = None) -> Any:
+    """``x.to(dtype)`` if ``x`` is an eligible tensor of another dtype, else ``x`` itself."""
+    if _eligible(x, device_type) and x.dtype != dtype:
+        return x.to(dtype)
+    return x
+
+
+def guarded_promote(xs: Sequence[Any], low: torch.dtype,
+                    device_type: str | None = None) -> list[Any]:
+    """Cast the eligible tensors of ``xs`` to their widest dtype (fp32 if any is wider than
+    ``low``), as autocast's ``promote`` policy does; other values pass through."""
+    eligible = [x for x in xs if _eligible(x, device_type)]
+    target = low if all(x.dtype == low for x in eligible) else torch.float32
+    return [x.to(target) if _eligible(x, device_type) and x.dtype != target else x for x in xs]
+
+
+def fp32_if_eligible(x: Any, device_type: str | None = None) -> torch.dtype | None:
+    """The ``dtype=`` argument autocast's ``fp32_set_opt_dtype`` fills in: fp32 for an
+    eligible first input, None (op unaltered) otherwise."""
+    return torch.float32 if _eligible(x, device_type) else None
+
+
+RUNTIME_FUNCTIONS = (guarded_cast, guarded_promote, fp32_if_eligible)

@@ -26,9 +26,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ._errors import AmpRewriteError
+from ._fake import fake_state
 from ._opkey import module_op_names
 from ._registry import registered_functions
 from ._runtime import RUNTIME_FUNCTIONS
+from ._weight_cache import CACHE_ATTR, WeightCastCache
 
 __all__ = ["Region", "REGION_KEY", "capture_symbolic", "capture_export", "propagate_meta"]
 
@@ -77,11 +79,21 @@ class _AmpTracer(fx.Tracer):
             tracer.regions.pop()
             return False
 
+        # A converted module traced again: its weight casts stay single graph nodes.
+        def _cast(cache: WeightCastCache, weight: Any, dtype: torch.dtype) -> Any:
+            if not isinstance(weight, fx.Proxy):
+                return cast(cache, weight, dtype)
+            cache_proxy = tracer.create_proxy("get_attr", CACHE_ATTR, (), {})
+            return tracer.create_proxy("call_method", "cast", (cache_proxy, weight, dtype), {})
+
+        cast = WeightCastCache.cast
         autocast_cls.__enter__, autocast_cls.__exit__ = _enter, _exit  # type: ignore[method-assign]
+        WeightCastCache.cast = _cast  # type: ignore[method-assign]
         try:
             return super().trace(root, concrete_args)
         finally:
             autocast_cls.__enter__, autocast_cls.__exit__ = enter, exit_  # type: ignore[method-assign]
+            WeightCastCache.cast = cast  # type: ignore[method-assign]
 
 
 def capture_symbolic(model: nn.Module) -> fx.GraphModule:
@@ -261,4 +273,5 @@ def propagate_meta(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any] | Non
         args = tuple(args) + tuple(kwargs[p] for p in placeholders[len(args):] if p in kwargs)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_args)
+    with fake_state(gm, mode):
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_args)

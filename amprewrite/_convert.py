@@ -11,6 +11,7 @@ from torch.fx.passes.infra.pass_manager import PassManager
 
 from ._capture import capture_export, capture_symbolic, propagate_meta
 from ._classify import ClassifyPass
+from ._errors import AmpRewriteError
 from ._eliminate_casts import EliminateCastsPass, _report
 from ._insert_casts import InsertCastsPass
 from ._meta import META_KEY, cast_info
@@ -102,7 +103,14 @@ def convert(
 def run_passes(gm: fx.GraphModule, policy: Policy, dtype: torch.dtype) -> fx.GraphModule:
     """Run the amprewrite passes on a captured GraphModule (in place) and recompile it."""
     report = _report(gm)
-    PassManager(passes=amp_passes(policy, dtype), run_checks_after_each_pass=True)(gm)
+    try:
+        PassManager(passes=amp_passes(policy, dtype), run_checks_after_each_pass=True)(gm)
+    except Exception as exc:
+        # PassManager wraps every failure in a bare Exception naming the pass; the user
+        # needs our own error (what, where, the fix), which is its cause.
+        if isinstance(exc.__cause__, (AmpRewriteError, ValueError, TypeError)):
+            raise exc.__cause__ from None
+        raise
     casts = [n for n in gm.graph.nodes if cast_info(n) is not None]
     report.inserted = len(casts)
     report.guarded = sum(1 for n in casts if cast_info(n).guarded)

@@ -243,8 +243,12 @@ class InsertCastsPass(PassBase):
     def _needs_cast(self, node: fx.Node, dtype: torch.dtype) -> bool:
         if self.static or self._is_weight(node):
             return self._eligible(node) and _dtype(node, self) != dtype
-        info = cast_info(node)
-        return info is None or info.dtype != dtype
+        # Dtypes unknown: a value that is already a conversion to `dtype` (ours, or one a
+        # re-traced converted module contains) needs no second cast.
+        from ._eliminate_casts import cast_source
+
+        source = cast_source(node)
+        return source is None or source[1] != dtype
 
     def _cast_input(self, cast: fx.Node) -> fx.Node:
         return cast.args[1] if cast.args and cast.args[0].op == "get_attr" and \

@@ -1,0 +1,309 @@
+"""convert(): argument errors, the user's model left untouched, graph structure, guarded casts."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import amprewrite
+from amprewrite import AmpRewriteError, OpCategory, Policy
+from amprewrite._meta import cast_info, decision
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc1(x))
+        return F.softmax(self.fc2(self.norm(h)), dim=-1)
+
+
+def _casts(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if cast_info(n) is not None]
+
+
+# -- errors -----------------------------------------------------------------------------------
+def test_rejects_non_module() -> None:
+    with pytest.raises(TypeError, match="expects a torch.nn.Module, got function"):
+        amprewrite.convert(lambda x: x)
+
+
+def test_rejects_bad_dtype() -> None:
+    with pytest.raises(ValueError, match=r"dtype=torch.float32 is not supported; expected "
+                                         r"torch.float16 or torch.bfloat16"):
+        amprewrite.convert(MLP(), dtype=torch.float32)
+
+
+def test_rejects_list_example_inputs() -> None:
+    with pytest.raises(TypeError, match=r"example_inputs must be a tuple .* got list.*"
+                                        r"example_inputs=\(x,\)"):
+        amprewrite.convert(MLP(), [torch.randn(2, 8)])
+
+
+def test_rejects_unknown_capture() -> None:
+    with pytest.raises(ValueError, match="capture='jit' is unknown; expected one of 'auto', "
+                                         "'symbolic', 'export'"):
+        amprewrite.convert(MLP(), capture="jit")
+
+
+def test_export_capture_needs_inputs() -> None:
+    with pytest.raises(ValueError, match="needs example_inputs"):
+        amprewrite.convert(MLP(), capture="export")
+
+
+def test_rejects_non_policy() -> None:
+    with pytest.raises(TypeError, match="policy must be an amprewrite.Policy, got dict"):
+        amprewrite.convert(MLP(), policy={"linear": "fp16"})
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # Python control flow on a tensor value
+            return self.fc(x)
+        return -x
+
+
+def test_untraceable_model_names_the_construct_and_the_fix() -> None:
+    with pytest.raises(AmpRewriteError) as info:
+        amprewrite.convert(DataDependent())
+    message = str(info.value)
+    assert "symbolic tracing of DataDependent failed" in message
+    assert "control flow" in message and "example_inputs" in message
+    assert "torch.export" in message
+
+
+def test_banned_op_under_cuda_preset() -> None:
+    class BCE(nn.Module):
+        def forward(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return F.binary_cross_entropy(p, t)
+
+    args = (torch.rand(4), torch.rand(4))
+    with pytest.raises(AmpRewriteError, match="binary_cross_entropy_with_logits"):
+        amprewrite.convert(BCE(), policy=Policy.autocast("cuda", torch.float16),
+                           capture="symbolic")
+    # The default policy runs it in fp32 instead of refusing (what CPU autocast does).
+    gm = amprewrite.convert(BCE(), args)
+    node = next(n for n in gm.graph.nodes if decision(n) and decision(n).op ==
+                "binary_cross_entropy")
+    assert decision(node).category is OpCategory.FP32
+    assert gm(*args).dtype == torch.float32
+
+
+def test_policy_validation() -> None:
+    with pytest.raises(ValueError, match=r"'sofmax' \(did you mean 'softmax'"):
+        Policy().override(ops={"sofmax": OpCategory.FP32})
+    with pytest.raises(TypeError, match="expected an OpCategory member"):
+        Policy().override(ops={"softmax": "fp32"})
+    with pytest.raises(ValueError, match="expected 'cpu' or 'cuda'"):
+        Policy.autocast("mps")
+
+
+# -- the user's model is never modified --------------------------------------------------------
+@pytest.mark.parametrize("capture", ["symbolic", "export"])
+@pytest.mark.parametrize("training", [True, False])
+def test_model_untouched_and_parameters_shared(capture: str, training: bool) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.1), nn.Linear(8, 2))
+    model.train(training)
+    before = copy.deepcopy(model.state_dict())
+    inputs = (torch.randn(4, 8),) if capture == "export" else None
+    gm = amprewrite.convert(model, inputs, capture=capture)
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype
+               for k in before)
+    assert model.training is training
+    assert gm.training is training
+    # fp32 master weights: the very same Parameter objects.
+    for name, param in model.named_parameters():
+        assert gm.get_parameter(name) is param
+        assert param.dtype == torch.float32
+    # state_dict round trip: the converted module saves and loads the model's keys.
+    gm.load_state_dict(gm.state_dict())
+    assert set(gm.state_dict()) <= set(model.state_dict())
+
+
+def test_eval_on_converted_module_keeps_model_training_flag() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    gm = amprewrite.convert(model)
+    gm.eval()
+    assert model.training and model[1].training
+    assert not gm.training
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        # eval mode uses the running statistics: same as the model in eval mode.
+        expected = model.eval()(x.bfloat16().float())
+    model.train()
+    assert gm(x).dtype == torch.bfloat16
+    assert expected.shape == gm(x).shape
+
+
+def test_optimizer_on_model_trains_converted_module() -> None:
+    model = MLP()
+    gm = amprewrite.convert(model, (torch.randn(2, 8),))
+    x = torch.randn(2, 8)
+    out_before = gm(x).detach()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    gm(x).float().pow(2).sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+    opt.step()
+    assert not torch.equal(out_before, gm(x).detach())
+
+
+# -- structure ---------------------------------------------------------------------------------
+def test_code_shows_every_cast() -> None:
+    gm = amprewrite.convert(MLP(), (torch.randn(2, 8),), dtype=torch.float16)
+    code = gm.code
+    assert "x_f16 = x.to(torch.float16)" in code
+    assert "_amp_weight_cache.cast(fc1_weight, torch.float16)" in code
+    # layer_norm runs in fp32 (CUDA rules): its fp16 input is cast up.
+    assert "torch.ops.aten.layer_norm.default(gelu_f32" in code
+    # softmax upcasts internally, autocast's fp32_set_opt_dtype: no separate cast kernel.
+    assert "softmax.int(linear_1, -1, dtype = torch.float32)" in code
+    # fc1 weight+bias, fc2 weight+bias, x, gelu->fp32, layer_norm->fp16.
+    assert len(_casts(gm)) == 7
+    assert gm(torch.randn(3, 8)).dtype == torch.float32
+
+
+def test_weight_used_twice_is_cast_once() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Linear(8, 8, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.emb(x) @ self.emb.weight
+
+    for inputs in [None, (torch.randn(2, 8),)]:
+        gm = amprewrite.convert(Tied(), inputs)
+        weight_casts = [n for n in _casts(gm) if cast_info(n).weight]
+        assert len(weight_casts) == 1
+
+
+def test_shared_vs_per_use_activation_casts() -> None:
+    class Fanout(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.q(x) + self.k(x) + self.v(x)
+
+    inputs = (torch.randn(2, 8),)
+    shared = amprewrite.convert(Fanout(), inputs)
+    per_use = amprewrite.convert(Fanout(), inputs, policy=Policy.autocast("cpu"))
+    activation = lambda gm: [n for n in _casts(gm) if not cast_info(n).weight]  # noqa: E731
+    assert len(activation(shared)) == 1
+    assert len(activation(per_use)) == 3  # autocast casts x once per consumer
+
+
+def test_never_casts_int_fp64_or_inplace() -> None:
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 8)
+            self.fc = nn.Linear(8, 8)
+            self.register_buffer("scale", torch.full((8,), 2.0, dtype=torch.float64))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            h = self.fc(self.emb(ids))
+            h.mul_(2)
+            return h * self.scale
+
+    ids = torch.randint(0, 10, (2, 3))
+    gm = amprewrite.convert(Mixed(), (ids,))
+    cast_inputs = {n.args[1].name if cast_info(n).weight else n.args[0].name
+                   for n in _casts(gm)}
+    assert "ids" not in cast_inputs and "scale" not in cast_inputs
+    mul_ = next(n for n in gm.graph.nodes if decision(n) and decision(n).op == "mul_")
+    assert decision(mul_).category is OpCategory.PASSTHROUGH
+    out = gm(ids)
+    assert out.dtype == torch.float64  # bf16 * fp64 promotes, as in eager
+
+
+# -- dtypes unknown: guarded casts -------------------------------------------------------------
+def test_guarded_casts_without_example_inputs() -> None:
+    gm = amprewrite.convert(MLP())
+    assert "guarded_cast(x, torch.bfloat16" in gm.code
+    assert "fp32_if_eligible" in gm.code  # softmax's dtype decided at run time
+    assert gm(torch.randn(2, 8)).dtype == torch.float32
+    # The guard is autocast's eligibility rule: fp64, integer and other-device tensors pass.
+    from amprewrite._runtime import guarded_cast
+
+    for value in (torch.randn(2, dtype=torch.float64), torch.arange(3), 1.5):
+        assert guarded_cast(value, torch.bfloat16) is value
+    assert guarded_cast(torch.randn(2), torch.bfloat16, "cuda").dtype == torch.float32
+    assert guarded_cast(torch.randn(2), torch.bfloat16, "cpu").dtype == torch.bfloat16
+
+
+def test_guarded_and_static_agree_bitwise() -> None:
+    model = MLP()
+    x = torch.randn(5, 8)
+    guarded = amprewrite.convert(model, capture="symbolic")
+    static = amprewrite.convert(model, (x,), capture="symbolic")
+    exported = amprewrite.convert(model, (x,))
+    assert torch.equal(guarded(x), static(x))
+    assert torch.equal(static(x), exported(x))
+
+
+# -- the model's own autocast regions ----------------------------------------------------------
+class Rotary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        with torch.autocast("cpu", enabled=False):
+            angles = h.float() @ torch.ones(8, 8)  # must stay fp32
+        return h + angles
+
+
+@pytest.mark.parametrize("inputs", [None, (torch.randn(2, 8),)])
+def test_autocast_disabled_region_is_honoured(inputs: tuple | None) -> None:
+    model = Rotary()
+    gm = amprewrite.convert(model, inputs, policy=Policy.autocast("cpu"))
+    matmuls = [n for n in gm.graph.nodes if decision(n) and decision(n).op == "matmul"]
+    assert len(matmuls) == 1
+    assert decision(matmuls[0]).category is OpCategory.PASSTHROUGH
+    assert "enabled=False" in decision(matmuls[0]).rule
+    x = torch.randn(2, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+    out = gm(x)
+    assert out.dtype == expected.dtype == torch.float32
+    assert torch.equal(out, expected)
+
+
+# -- idempotence -------------------------------------------------------------------------------
+@pytest.mark.parametrize("inputs", [None, (torch.randn(2, 8),)])
+def test_converting_twice_inserts_nothing(inputs: tuple | None) -> None:
+    gm = amprewrite.convert(MLP(), inputs, capture="symbolic")
+    again = amprewrite.convert(gm, inputs, capture="symbolic")
+    count = lambda g: sum(1 for n in g.graph.nodes  # noqa: E731
+                          if n.op in ("call_method", "call_function") and
+                          (n.target in ("to", "cast") or getattr(n.target, "__name__", "")
+                           == "guarded_cast"))
+    assert count(again) == count(gm)
+    x = torch.randn(2, 8)
+    assert torch.equal(gm(x), again(x))
+
+
+def test_passes_report_unmodified_on_second_run() -> None:
+    from amprewrite._convert import amp_passes
+
+    gm = amprewrite.convert(MLP(), (torch.randn(2, 8),))
+    policy, dtype = gm.meta["amprewrite_policy"]
+    for p in amp_passes(policy, dtype):
+        assert p(gm).modified is False, type(p).__name__

@@ -59,14 +59,15 @@ class ClassifyPass(PassBase):
         for node in gm.graph.nodes:
             if node.op not in _CALLS or cast_info(node) is not None:
                 continue
-            decision = self.classify(node)
-            if node.meta.get(META_KEY) != decision:
-                # Keep the casts recorded by an earlier InsertCastsPass run.
-                old = node.meta.get(META_KEY)
-                if isinstance(old, Decision) and old.category == decision.category:
-                    continue
-                node.meta[META_KEY] = decision
-                modified = True
+            new = self.classify(node)
+            old = node.meta.get(META_KEY)
+            # A second run keeps the record an earlier run (and InsertCastsPass) completed:
+            # only a different category or rule is a change.
+            if isinstance(old, Decision) and (old.op, old.category, old.rule) == \
+                    (new.op, new.category, new.rule):
+                continue
+            node.meta[META_KEY] = new
+            modified = True
         return PassResult(gm, modified)
 
     def classify(self, node: fx.Node) -> Decision:

@@ -11,4 +11,10 @@ from ._tables import OpCategory
 from .policy import Policy
 
 __all__ = ["convert", "Policy", "OpCategory", "AmpRewriteError", "register_op", "unregister_op"]
+
+# -- public API of feature modules (one import line and one __all__ line per module) --
+from .audit import AuditReport, OpRecord, audit; from ._lints import Lint, lint; from ._grad_hist import GradHistogram; __all__ += ["audit", "AuditReport", "OpRecord", "lint", "Lint", "GradHistogram"]
+from .training import MasterWeights, ScalerMonitor, StepRecord; __all__ += ["MasterWeights", "ScalerMonitor", "StepRecord"]
+from ._backend import AmpBackend, backend, compile; from ._explain import explain; __all__ += ["AmpBackend", "backend", "compile", "explain"]
+from ._weight_cache import clear_weight_cache; __all__ += ["clear_weight_cache"]
 __version__ = "0.1.0"

@@ -32,7 +32,8 @@ from ._registry import registered_functions
 from ._runtime import RUNTIME_FUNCTIONS
 from ._weight_cache import CACHE_ATTR, WeightCastCache
 
-__all__ = ["Region", "REGION_KEY", "capture_symbolic", "capture_export", "propagate_meta"]
+__all__ = ["Region", "REGION_KEY", "capture_symbolic", "capture_export", "capture_converted",
+           "is_converted", "propagate_meta"]
 
 REGION_KEY = "amprewrite_autocast"
 """``node.meta[REGION_KEY]``: the innermost ``torch.autocast`` region of the model's own code
@@ -83,7 +84,11 @@ class _AmpTracer(fx.Tracer):
         def _cast(cache: WeightCastCache, weight: Any, dtype: torch.dtype) -> Any:
             if not isinstance(weight, fx.Proxy):
                 return cast(cache, weight, dtype)
-            cache_proxy = tracer.create_proxy("get_attr", CACHE_ATTR, (), {})
+            # The converted module may sit inside the traced one: fetch its own cache.
+            path = next((f"{q}.{CACHE_ATTR}" if q else CACHE_ATTR)
+                        for q, m in tracer.root.named_modules()
+                        if getattr(m, CACHE_ATTR, None) is cache)
+            cache_proxy = tracer.create_proxy("get_attr", path, (), {})
             return tracer.create_proxy("call_method", "cast", (cache_proxy, weight, dtype), {})
 
         cast = WeightCastCache.cast
@@ -265,6 +270,35 @@ def _inline_autocast_regions(gm: fx.GraphModule) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# a module amprewrite already converted
+CONVERTED_KEY = "amprewrite_policy"
+"""``gm.meta[CONVERTED_KEY]``: set on every GraphModule that ``convert`` returns."""
+
+
+def is_converted(model: nn.Module) -> bool:
+    return isinstance(model, fx.GraphModule) and CONVERTED_KEY in getattr(model, "meta", {})
+
+
+def capture_converted(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a converted module's graph, sharing its parameters and buffers.
+
+    NB: not traced again: the model's own autocast regions live only in node meta (the
+    converted code enters no autocast region), so a re-trace would see the ops of an
+    ``enabled=False`` region as ordinary ops and cast them. ``Graph`` deep copies keep each
+    node's meta (a shallow copy), so decisions, regions and dtypes carry over.
+    """
+    from ._weight_cache import CACHE_ATTR, WeightCastCache
+
+    new = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    if hasattr(new, CACHE_ATTR):
+        setattr(new, CACHE_ATTR, WeightCastCache())  # copies of weights are per module
+    new.meta.update({k: v for k, v in gm.meta.items() if k != CONVERTED_KEY})
+    _unshare_leaf_modules(new)
+    new.train(gm.training)
+    return new
+
+
+# ---------------------------------------------------------------------------------------------
 # dtype knowledge for symbolic graphs
 def propagate_meta(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any] | None) -> None:
     """Fill ``meta["val"]`` of every node by running the graph on fake copies of the inputs."""
@@ -273,5 +307,24 @@ def propagate_meta(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any] | Non
         args = tuple(args) + tuple(kwargs[p] for p in placeholders[len(args):] if p in kwargs)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-    with fake_state(gm, mode):
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_args)
+    try:
+        with fake_state(gm, mode):
+            FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_args)
+    except Exception:
+        # NB: some models run only under autocast (``torch.dot(f16, f32)`` is an error
+        # unless autocast's promote casts first). Nodes from the failing one on keep no
+        # ``val``; InsertCastsPass fills them in once the casts are in place, and raises
+        # if the node still cannot run.
+        pass
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and "val" not in node.meta:
+            value = _attr(gm, str(node.target))
+            if isinstance(value, torch.Tensor):
+                node.meta["val"] = mode.from_tensor(value)
+
+
+def _attr(module: nn.Module, target: str) -> Any:
+    obj: Any = module
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -16,6 +16,9 @@ is ``FP32_DTYPE_ARG``.
 
 from __future__ import annotations
 
+import operator
+import re
+
 import torch
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
@@ -31,19 +34,30 @@ __all__ = ["ClassifyPass", "module_paths"]
 _CALLS = ("call_function", "call_method", "call_module")
 
 
+_DYNAMO_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+
+
 def module_paths(node: fx.Node) -> list[str]:
     """Qualified names of the modules enclosing ``node``, outermost first."""
     stack = node.meta.get("nn_module_stack") or {}
     paths = []
     for key, value in stack.items():
         path = value[0] if isinstance(value, tuple) else key
-        # torch.export writes "L['self'].encoder.layer" style paths in some versions.
-        path = str(path).replace("L['self'].", "").replace("L['self']", "")
+        # Dynamo (and torch.export in some versions) prefixes paths with the root's local
+        # name: "L['self'].encoder.layer", or "L['fn'].0" for a compiled nn.Sequential.
+        path = _DYNAMO_ROOT.sub("", str(path))
         if path:
             paths.append(path)
     if node.op == "call_module":
         paths.append(str(node.target))
     return paths
+
+
+def _cast_item(node: fx.Node) -> bool:
+    """``cast[i]``: an output of a multi-output cast (guarded_promote) is part of the cast,
+    not an op of the model."""
+    return (node.op == "call_function" and node.target is operator.getitem
+            and isinstance(node.args[0], fx.Node) and cast_info(node.args[0]) is not None)
 
 
 class ClassifyPass(PassBase):
@@ -57,7 +71,7 @@ class ClassifyPass(PassBase):
     def call(self, gm: fx.GraphModule) -> PassResult:
         modified = False
         for node in gm.graph.nodes:
-            if node.op not in _CALLS or cast_info(node) is not None:
+            if node.op not in _CALLS or cast_info(node) is not None or _cast_item(node):
                 continue
             new = self.classify(node)
             old = node.meta.get(META_KEY)

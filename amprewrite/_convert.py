@@ -9,12 +9,15 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.infra.pass_manager import PassManager
 
-from ._capture import capture_export, capture_symbolic, propagate_meta
+from ._capture import (capture_converted, capture_export, capture_symbolic, is_converted,
+                       propagate_meta)
 from ._classify import ClassifyPass
+from ._decompose import DecomposeCompositesPass
 from ._errors import AmpRewriteError
 from ._eliminate_casts import EliminateCastsPass, _report
 from ._insert_casts import InsertCastsPass
 from ._meta import META_KEY, cast_info
+from ._opt_levels import apply_opt_level, check_opt_level
 from .policy import Policy, check_low_dtype
 
 __all__ = ["convert", "amp_passes", "resolve_dtype"]
@@ -34,8 +37,8 @@ def resolve_dtype(model: nn.Module, policy: Policy, dtype: torch.dtype | None) -
 
 def amp_passes(policy: Policy, dtype: torch.dtype) -> list:
     """The graph-to-graph steps of a conversion, in order (each is idempotent)."""
-    return [ClassifyPass(policy, dtype), InsertCastsPass(policy, dtype),
-            EliminateCastsPass(policy)]
+    return [DecomposeCompositesPass(policy), ClassifyPass(policy, dtype),
+            InsertCastsPass(policy, dtype), EliminateCastsPass(policy)]
 
 
 def convert(
@@ -46,6 +49,7 @@ def convert(
     policy: Policy | None = None,
     dtype: torch.dtype | None = None,
     capture: str = "auto",
+    opt_level: str = "O1",
 ) -> fx.GraphModule:
     """Rewrite ``model`` into a GraphModule that runs in mixed precision with explicit casts.
 
@@ -60,6 +64,13 @@ def convert(
         dtype: torch.float16 or torch.bfloat16; default fp16 for models on CUDA, else bf16.
         capture: ``"auto"`` (export when example inputs are given, else symbolic),
             ``"symbolic"`` or ``"export"``.
+        opt_level: Apex's levels. ``"O1"`` (default): the per-op policy above. ``"O0"``: fp32,
+            no casts (the baseline). ``"O2"``: weights stored in the low dtype (except
+            normalisation layers, which stay fp32) with fp32 master weights, which stay the
+            parameters; train it with ``amprewrite.MasterWeights(gm, optimizer)``.
+            ``"O3"``: everything in the low dtype, on copies of the parameters (the speed
+            baseline). O2 and O3 take floating inputs in any dtype and return fp32.
+            ``policy`` applies to O1 only.
 
     Returns:
         A ``torch.fx.GraphModule``; ``print(gm.code)`` shows every cast, and
@@ -85,16 +96,23 @@ def convert(
                         f"{type(policy).__name__}")
     if capture == "export" and example_inputs is None:
         raise ValueError("amprewrite.convert(capture='export') needs example_inputs=(...)")
+    check_opt_level(opt_level, policy, dtype)
     low = resolve_dtype(model, policy, dtype)
 
     has_inputs = example_inputs is not None or example_kwargs is not None
-    if capture == "export" or (capture == "auto" and has_inputs):
+    if is_converted(model):
+        # NB: re-capturing would lose what only the nodes' meta holds (the model's own
+        # autocast regions, the decisions), so converting twice could cast more.
+        gm = capture_converted(model)  # type: ignore[arg-type]
+    elif capture == "export" or (capture == "auto" and has_inputs):
         gm = capture_export(model, example_inputs or (), example_kwargs)
     else:
         gm = capture_symbolic(model)
         if has_inputs:
             propagate_meta(gm, example_inputs or (), example_kwargs)
     gm.meta.pop(META_KEY, None)
+    if opt_level != "O1":
+        return apply_opt_level(gm, model, opt_level, low)
     _check_node_overrides(gm, policy)
     run_passes(gm, policy, low)
     return gm

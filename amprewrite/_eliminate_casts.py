@@ -2,19 +2,27 @@
 
 Invariants (what this pass may and may not do):
 
-1. **Identity**: a cast to the dtype its input already has is removed, unless it is a copy
-   (``_to_copy``) whose result or input is mutated in place (that would turn a copy into an
+1. **Identity**: a cast to the dtype its input already has is removed. ``x.to(x.dtype)``
+   returns ``x`` itself anyway; a real copy (``aten._to_copy``) is removed only when nothing
+   writes in place into it, its input, or a view of either (that would turn a copy into an
    alias).
 2. **Duplicates**: casts of one value to one dtype are merged into one, for weights always and
    for activations only when ``policy.share_activation_casts`` (sharing sums the gradients of
    the consumers in low precision; the autocast presets keep autocast's one-cast-per-use).
+   Not when either cast or the value is written in place.
 3. **Lossless chains**: ``a → b → c`` where the middle dtype ``b`` holds every value of ``a``
-   (fp16→fp32→fp16, bf16→fp32→fp16): the chain is replaced by ``a`` itself when ``c == a``, or
-   by one cast ``a → c``. Exact in forward and backward.
+   (fp16→fp32→fp16, bf16→fp32→fp16, fp32→fp64→fp32): replaced by ``a`` itself when
+   ``c == a``, else by one cast ``a → c`` (it rounds once, as the chain does). Exact in forward
+   and backward. Chains through an integer or bool dtype truncate and are never touched.
 4. **Narrowing round trips** (fp32→bf16→fp32) round the value: kept, unless
    ``policy.fold_rounding_casts``; folded ones are counted in the report.
 5. **Dead casts**, with no users, are removed.
-6. Guarded casts (dtype unknown) are only merged or removed when dead, never reasoned about.
+6. Guarded casts (dtype unknown until run time) are only merged or removed when dead, never
+   reasoned about.
+7. **Idempotent**: the rules run to a fixed point, so a second run changes nothing.
+
+Every removal is counted by rule in ``gm.meta["amprewrite"].eliminated`` (a
+:class:`CastReport`).
 
 Before::
 
@@ -29,6 +37,7 @@ After::
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections import Counter
 from typing import Any
 
@@ -36,10 +45,9 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from ._meta import META_KEY, CastInfo, cast_info
+from ._meta import META_KEY
 from ._opkey import is_inplace
 from ._runtime import guarded_cast
-from ._weight_cache import CACHE_ATTR
 from .policy import Policy
 
 __all__ = ["EliminateCastsPass", "cast_source", "CastReport"]
@@ -95,11 +103,90 @@ def _dtype(node: Any) -> torch.dtype | None:
     return None
 
 
-def _mutated(node: fx.Node) -> bool:
-    return any(is_inplace(u) and u.args and u.args[0] is node for u in node.users)
+# Torch-level calls (symbolic capture) whose result may share memory with their first input.
+# Over-approximated on purpose: a false "alias" only keeps a cast that could have gone.
+_VIEW_METHODS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "expand", "expand_as",
+    "narrow", "select", "split", "chunk", "unbind", "unsqueeze", "squeeze", "flatten",
+    "unflatten", "t", "T", "mT", "detach", "as_strided", "contiguous", "to", "type_as",
+    "movedim", "swapaxes", "diagonal", "real", "imag", "unfold", "tensor_split", "split_with_sizes",
+    "getitem", "float", "half", "bfloat16", "double", "type", "data",
+})
+
+
+def _is_view(node: fx.Node) -> bool:
+    """Whether ``node``'s result may alias one of its tensor inputs."""
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        # In-place ops return their (written) input too: that result aliases it as well.
+        return any(r.alias_info is not None for r in node.target._schema.returns)
+    if node.op == "call_function" and node.target is operator.getitem:
+        return True
+    if node.op in ("call_method", "call_function"):
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        return name in _VIEW_METHODS
+    return False
+
+
+def _writes(user: fx.Node, node: fx.Node) -> bool:
+    """Whether ``user`` writes into ``node`` in place (``x.add_(y)``, ``x[i] = y``, ``out=``)."""
+    if user.op == "call_function" and user.target is operator.setitem:
+        return bool(user.args) and user.args[0] is node
+    if user.kwargs.get("out") is node:
+        return True
+    if user.op == "call_function" and isinstance(user.target, torch._ops.OpOverload):
+        for i, arg in enumerate(user.target._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
+                if value is node:
+                    return True
+        return False
+    return is_inplace(user) and bool(user.args) and user.args[0] is node
+
+
+def _aliases(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node that may share its memory: views of it, and what it is a view
+    of (transitively, both ways)."""
+    seen = {node}
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        related = [u for u in n.users if _is_view(u)]
+        if _is_view(n):
+            related += [a for a in n.all_input_nodes]
+        for m in related:
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
+
+
+def _mutated(*nodes: fx.Node) -> bool:
+    """Whether any in-place op of the graph writes into memory of one of ``nodes``."""
+    for node in nodes:
+        if not isinstance(node, fx.Node):
+            continue
+        for alias in _aliases(node):
+            if any(_writes(u, alias) for u in alias.users):
+                return True
+    return False
+
+
+def _is_copy(node: fx.Node) -> bool:
+    """A cast that always returns new memory, even to its input's own dtype."""
+    return node.op == "call_function" and node.target is torch.ops.aten._to_copy.default
+
+
+def _float_width(dtype: torch.dtype | None) -> int | None:
+    return _WIDTH.get(dtype) if dtype is not None else None
 
 
 class EliminateCastsPass(PassBase):
+    """Remove the casts that cannot change a bit or an alias (see the module docstring).
+
+    Each removal is counted by rule in ``gm.meta["amprewrite"].eliminated``; a second run
+    finds nothing and returns ``modified=False``.
+    """
+
     def __init__(self, policy: Policy) -> None:
         super().__init__()
         self.policy = policy
@@ -108,16 +195,20 @@ class EliminateCastsPass(PassBase):
         report = _report(gm)
         before = sum(report.eliminated.values())
         changed = True
-        while changed:  # each rule may expose work for another; stops: every step removes a node
+        while changed:  # each rule may expose work for another; stops: every step removes
+            # a node or shortens a chain of casts
             changed = self._dead(gm, report) | self._identity(gm, report) | \
                 self._chains(gm, report) | self._duplicates(gm, report)
         modified = sum(report.eliminated.values()) != before
+        if modified:
+            gm.graph.lint()
+            gm.recompile()
         return PassResult(gm, modified)
 
     def _dead(self, gm: fx.GraphModule, report: CastReport) -> bool:
         changed = False
         for node in reversed(list(gm.graph.nodes)):
-            if not node.users and cast_source(node) is not None and node.op != "output":
+            if not node.users and cast_source(node) is not None:
                 gm.graph.erase_node(node)
                 report.eliminated["dead"] += 1
                 changed = True
@@ -132,8 +223,8 @@ class EliminateCastsPass(PassBase):
             value, dtype = src
             if _dtype(value) != dtype or _dtype(node) not in (None, dtype):
                 continue
-            is_copy = node.op == "call_function" and node.target is torch.ops.aten._to_copy.default
-            if is_copy and (_mutated(node) or _mutated(value)):
+            # `x.to(x.dtype)` already returns x itself; only a real copy can become an alias.
+            if _is_copy(node) and _mutated(node, value):
                 continue
             node.replace_all_uses_with(value)
             gm.graph.erase_node(node)
@@ -153,24 +244,28 @@ class EliminateCastsPass(PassBase):
                 continue
             a_node, b = inner
             a = _dtype(a_node)
-            if a is None or _mutated(node) or _mutated(a_node):
+            wa, wb, wc = _float_width(a), _float_width(b), _float_width(c)
+            if wa is None or wb is None or wc is None:
+                continue  # integer, bool or unknown dtypes: a cast there truncates; keep it
+            # A write into the middle value, or into either end, would be lost or shared.
+            if _mutated(node, middle, a_node):
                 continue
-            lossless = _WIDTH.get(b, 0) >= max(_WIDTH.get(a, 99), _WIDTH.get(c, 99)) and (
-                b == torch.float32 or b == a or b == torch.float64)
-            if not lossless:
-                if a == c and self.policy.fold_rounding_casts:
-                    rule = "rounding round trip (folded by policy)"
-                else:
-                    continue
-            else:
+            # fp32 and fp64 hold every fp16 and bf16 value, and fp64 every fp32 one, so
+            # a → b is exact and a → b → c rounds once, as a → c does.
+            lossless = b == a or (wb >= max(wa, wc) and b in (torch.float32, torch.float64))
+            if lossless:
                 rule = "lossless chain"
+            elif a == c and self.policy.fold_rounding_casts:
+                rule = "rounding round trip"
+            else:
+                continue
             if a == c:
                 node.replace_all_uses_with(a_node)
-            else:
-                node.args = (node.args[0], a_node, c) if node.target == "cast" else \
-                    (a_node,) + tuple(node.args[1:])
-            if a == c:
                 gm.graph.erase_node(node)
+            elif node.op == "call_method" and node.target == "cast":
+                node.args = (node.args[0], a_node, c)
+            else:
+                node.args = (a_node,) + tuple(node.args[1:])
             report.eliminated[rule] += 1
             changed = True
         return changed
@@ -189,7 +284,8 @@ class EliminateCastsPass(PassBase):
             key = (("get_attr", value.target) if weight else value, dtype,
                    node.target is guarded_cast)
             first = seen.get(key)
-            if first is None or _mutated(node) or _mutated(first):
+            # A write into either cast, or into the value between them, tells them apart.
+            if first is None or _mutated(node, first, value):
                 seen.setdefault(key, node)
                 continue
             node.replace_all_uses_with(first)

@@ -10,7 +10,21 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.node import map_aggregate
 
-__all__ = ["fake_run", "val_of", "same_val"]
+__all__ = ["fake_run", "fake_state", "val_of", "same_val"]
+
+
+def fake_state(module: torch.nn.Module, mode: Any) -> contextlib.AbstractContextManager:
+    """Swap ``module``'s parameters and buffers for fake copies while it runs on fake tensors.
+
+    NB: a fake run must not touch the real tensors. With real buffers, a BatchNorm in
+    training mode would count ``num_batches_tracked`` up on the user's model at conversion.
+    """
+    if mode is None:
+        return contextlib.nullcontext()
+    state = {name: mode.from_tensor(t) for name, t in
+             [*module.named_parameters(remove_duplicate=False),
+              *module.named_buffers(remove_duplicate=False)]}
+    return torch.nn.utils.stateless._reparametrize_module(module, state, tie_weights=True)
 
 
 def val_of(x: Any) -> Any:
@@ -23,14 +37,36 @@ def fake_run(gm: fx.GraphModule, node: fx.Node) -> Any:
     flat = [v for v in torch.utils._pytree.tree_leaves((args, kwargs))]
     mode = detect_fake_mode(flat)
     ctx = mode if mode is not None else contextlib.nullcontext()
-    with ctx:
-        if node.op == "call_function":
-            return node.target(*args, **kwargs)
-        if node.op == "call_method":
-            return getattr(args[0], node.target)(*args[1:], **kwargs)
-        if node.op == "call_module":
-            return gm.get_submodule(str(node.target))(*args, **kwargs)
+    try:
+        with ctx:
+            if node.op == "call_function":
+                return node.target(*args, **kwargs)
+            if node.op == "call_method":
+                return getattr(args[0], node.target)(*args[1:], **kwargs)
+            if node.op == "call_module":
+                module = gm.get_submodule(str(node.target))
+                with fake_state(module, mode):
+                    return module(*args, **kwargs)
+    except Exception:
+        # NB: some meta kernels reject symbolic sizes (aten.addbmm in torch 2.13), which
+        # export's dynamic shapes produce. Casts change dtypes, never shapes: learn the
+        # output dtypes from concrete-size meta tensors, keep the recorded shapes.
+        if node.op == "call_module" or not isinstance(node.meta.get("val"), torch.Tensor):
+            raise
+        meta_args, meta_kwargs = map_aggregate((args, kwargs), _concrete_meta)
+        out = (node.target(*meta_args, **meta_kwargs) if node.op == "call_function"
+               else getattr(meta_args[0], node.target)(*meta_args[1:], **meta_kwargs))
+        with ctx:
+            return node.meta["val"].to(out.dtype)
     raise ValueError(f"fake_run: cannot run {node.format_node()}")
+
+
+def _concrete_meta(x: Any) -> Any:
+    """A meta tensor like ``x`` with its size hints as concrete sizes."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    shape = [s if isinstance(s, int) else s.node.hint for s in x.shape]
+    return torch.empty(shape, dtype=x.dtype, device="meta")
 
 
 def same_val(a: Any, b: Any) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import operator
 from typing import Any, Callable
 
 import torch
@@ -66,8 +67,10 @@ class InsertCastsPass(PassBase):
     def call(self, gm: fx.GraphModule) -> PassResult:
         graph = gm.graph
         self.gm = gm
-        self.static = all("val" in n.meta for n in graph.nodes
-                          if n.op in ("placeholder", "call_function", "call_method"))
+        # Static when the inputs' dtypes are known; nodes whose val the capture could not
+        # compute (ops valid only once cast) get it as the walk below reaches them.
+        self.static = all("val" in n.meta for n in graph.nodes if n.op == "placeholder") \
+            and any("val" in n.meta for n in graph.nodes)
         self.shared: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
         for node in graph.nodes:  # reuse casts an earlier run made
             info = cast_info(node)
@@ -85,9 +88,19 @@ class InsertCastsPass(PassBase):
 
     def _repropagate(self, node: fx.Node) -> None:
         inputs = node.all_input_nodes
-        if node not in self.changed and not any(i in self.changed for i in inputs):
+        missing = "val" not in node.meta
+        if not missing and node not in self.changed and not any(i in self.changed
+                                                                for i in inputs):
             return
-        new = fake_run(self.gm, node)
+        try:
+            new = fake_run(self.gm, node)
+        except Exception as exc:
+            if not missing:
+                raise
+            raise AmpRewriteError(
+                f"the example inputs do not run through node {node.format_node()}, even with "
+                f"the policy's casts in place: {type(exc).__name__}: {exc}. Check that the "
+                "example inputs are valid for the model (shapes, dtypes, devices).") from exc
         if not same_val(new, node.meta.get("val")):
             self.changed.add(node)
         node.meta["val"] = new
@@ -142,8 +155,9 @@ class InsertCastsPass(PassBase):
     def _promote_guarded(self, node: fx.Node, rec: Decision) -> bool:
         inputs = [a for a in node.all_input_nodes if not self._is_weight(a)
                   and cast_info(a) is None]
-        if not inputs or any(a.op == "call_function" and a.target is guarded_promote
-                             for a in node.all_input_nodes):
+        # Items of a guarded_promote (ours, or in a re-traced converted module, where they
+        # carry no CastInfo) are promoted already.
+        if not inputs or any(_promoted_item(a) for a in node.all_input_nodes):
             return False
         graph = node.graph
         low = rec.compute_dtype or self.dtype
@@ -153,7 +167,7 @@ class InsertCastsPass(PassBase):
             promoted.meta[META_KEY] = CastInfo(low, guarded=True, weight=False)
             items = {}
             for i, a in enumerate(inputs):
-                items[a] = graph.call_function(__import__("operator").getitem, (promoted, i))
+                items[a] = graph.call_function(operator.getitem, (promoted, i))
         node.args = fx.node.map_arg(node.args, lambda a: items.get(a, a))
         node.kwargs = fx.node.map_arg(node.kwargs, lambda a: items.get(a, a))
         node.meta[META_KEY] = dataclasses.replace(rec, casts=(promoted.name,), guarded=True)
@@ -296,6 +310,13 @@ class InsertCastsPass(PassBase):
             # NB: create_node, not graph.get_attr: the cache is a plain attribute, not a
             # parameter, buffer or submodule, which get_attr would warn about.
             return graph.create_node("get_attr", CACHE_ATTR)
+
+
+def _promoted_item(node: fx.Node) -> bool:
+    """Whether ``node`` is ``guarded_promote(...)[i]`` (or the promote call itself)."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        node = node.args[0] if isinstance(node.args[0], fx.Node) else node
+    return node.op == "call_function" and node.target is guarded_promote
 
 
 def _share_key(value: fx.Node) -> Any:

@@ -52,6 +52,8 @@ def callable_key(fn: Callable) -> str:
     ``"namespace::name"``; user Python functions give ``"module.qualname"`` (so a user function
     called ``linear`` never picks up the policy of ``aten.linear``).
     """
+    # torch.library.custom_op returns a CustomOpDef wrapper; graphs hold its OpOverload.
+    fn = getattr(fn, "_opoverload", fn)
     if isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         namespace, name = fn._qualified_op_name.split("::") if isinstance(
             fn, torch._ops.OpOverloadPacket) else (fn.namespace, fn._opname)

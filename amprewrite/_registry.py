@@ -33,7 +33,15 @@ def register_op(fn: Callable, category: OpCategory) -> Callable:
                          f"{', '.join('OpCategory.' + c.name for c in _ALLOWED)}")
     if not callable(fn):
         raise TypeError(f"register_op expects a function or a torch.library op, got {fn!r}")
+    # torch.library.custom_op returns a CustomOpDef; graphs hold its OpOverload, and the
+    # symbolic tracer must not try to wrap it as a Python function.
+    fn = getattr(fn, "_opoverload", fn)
     key = callable_key(fn)
+    if _REGISTRY.get(key, category) is not category:
+        raise ValueError(
+            f"register_op({key}, OpCategory.{category.name}): {key} is already registered as "
+            f"OpCategory.{_REGISTRY[key].name}; call amprewrite.unregister_op({key}) first, or "
+            "override it for one conversion with Policy().override(ops={...}).")
     _REGISTRY[key] = category
     if not isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         _FUNCTIONS[key] = fn
@@ -52,6 +60,6 @@ def unregister_op(fn: Callable) -> None:
     """Remove a registration made with :func:`register_op` (no-op if absent)."""
     from ._opkey import callable_key
 
-    key = callable_key(fn)
+    key = callable_key(getattr(fn, "_opoverload", fn))
     _REGISTRY.pop(key, None)
     _FUNCTIONS.pop(key, None)

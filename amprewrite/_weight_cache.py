@@ -5,55 +5,107 @@ Every cast of a parameter or buffer in a converted graph is a call of
 ``gm.code``). When autograd needs the cast (grad mode on and the weight requires grad) it is a
 plain ``weight.to(dtype)``, so gradients flow to the fp32 master weight. Otherwise
 (``torch.no_grad``, ``torch.inference_mode``, frozen weights) the low-precision copy is made
-once and reused until the weight changes: an in-place update bumps ``weight._version``; a
-replaced tensor is a different object. A forward in inference therefore casts no weights.
+once and reused until the weight changes, then refreshed:
 
-The cache belongs to one GraphModule: it is released with it, and
-``amprewrite.clear_weight_cache(gm)`` drops it on demand.
+* an in-place update (optimizer step, ``load_state_dict``, ``p.copy_`` under ``no_grad``)
+  bumps ``weight._version``;
+* a replaced tensor (``module.weight = nn.Parameter(...)``) is a different object;
+* new storage behind the same object (``p.data = t``, ``module.to(...)``) has another
+  ``data_ptr()``.
+
+A forward in inference therefore casts no weights.
+
+NB: ``p.data.copy_(t)`` writes through a tensor whose version counter is not ``p``'s, so no
+check short of reading the values can see it (torch.autocast's cache has the same blind spot).
+Call :func:`clear_weight_cache` after such writes.
+
+The cache belongs to one GraphModule: it is released with it, a copy of the module
+(``copy.deepcopy``, pickling) starts with an empty one, and :func:`clear_weight_cache` drops
+it on demand.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-__all__ = ["WeightCastCache", "CACHE_ATTR"]
+__all__ = ["WeightCastCache", "CACHE_ATTR", "clear_weight_cache"]
 
 CACHE_ATTR = "_amp_weight_cache"
+
+
+class _Entry(NamedTuple):
+    weight: weakref.ref
+    version: int
+    data_ptr: int
+    copy: torch.Tensor
+
+
+def _tracing(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is seen by a tracer or compiler rather than run eagerly.
+
+    A cached copy made while tracing would be a fake or proxy tensor stored past the trace,
+    and a compiler should see the plain cast (it can hoist or fold it itself). NB: a copy
+    cached by an earlier eager forward is served to a tracer as a constant.
+    """
+    if isinstance(weight, torch._subclasses.FakeTensor) or torch._is_functional_tensor(weight):
+        return True
+    return get_proxy_mode() is not None
 
 
 class WeightCastCache:
     """Low-precision copies of weights, keyed by (tensor identity, dtype)."""
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[int, torch.dtype], tuple[weakref.ref, int, torch.Tensor]] = {}
+        self._entries: dict[tuple[int, torch.dtype], _Entry] = {}
 
     def cast(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``weight`` in ``dtype``: tracked by autograd when a gradient is needed, else the
+        cached copy (made or refreshed here when missing or stale)."""
+        # Runs once per weight per forward: the hit path is kept to a few cheap checks.
         if weight.dtype == dtype:
             return weight
-        if weight.requires_grad and torch.is_grad_enabled():
+        if (weight.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
             return weight.to(dtype)
         key = (id(weight), dtype)
         entry = self._entries.get(key)
-        if entry is not None and entry[0]() is weight and entry[1] == weight._version:
-            return entry[2]
+        if entry is not None and entry.weight() is weight and \
+                entry.data_ptr == weight.data_ptr() and entry.version == weight._version:
+            return entry.copy
+        return self._refresh(weight, dtype, key)
+
+    def _refresh(self, weight: torch.Tensor, dtype: torch.dtype,
+                 key: tuple[int, torch.dtype]) -> torch.Tensor:
+        if _tracing(weight) or weight.is_inference():
+            # NB: inference tensors have no version counter, so a cached copy could not
+            # notice in-place updates; they are cast every time instead.
+            return weight.to(dtype)
         # NB: made outside inference mode, so that a later grad-mode forward through frozen
         # weights may save the copy for backward.
         with torch.inference_mode(False), torch.no_grad():
             copy = weight.detach().to(dtype)
-        self._entries[key] = (weakref.ref(weight), weight._version, copy)
+        # The callback drops the copy as soon as its weight dies (a replaced parameter), so
+        # stale copies do not pile up; it holds the cache weakly to avoid a reference cycle.
+        self._entries[key] = _Entry(weakref.ref(weight, _dropper(self, key)), weight._version,
+                                    weight.data_ptr(), copy)
         return copy
 
-    def clear(self) -> None:
+    def clear(self) -> int:
+        """Drop every cached copy; returns how many there were."""
+        n = len(self._entries)
         self._entries.clear()
+        return n
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def nbytes(self) -> int:
-        return sum(c.numel() * c.element_size() for _, _, c in self._entries.values())
+        """Bytes held by the cached copies."""
+        return sum(e.copy.numel() * e.copy.element_size() for e in self._entries.values())
 
     # Copies of a module get an empty cache of their own, never shared tensors.
     def __deepcopy__(self, memo: dict) -> "WeightCastCache":
@@ -61,3 +113,40 @@ class WeightCastCache:
 
     def __reduce__(self) -> Any:
         return (WeightCastCache, ())
+
+    def __repr__(self) -> str:
+        return f"WeightCastCache({len(self)} copies, {self.nbytes()} bytes)"
+
+
+def _dropper(cache: WeightCastCache, key: tuple[int, torch.dtype]) -> Any:
+    cache_ref = weakref.ref(cache)
+
+    def drop(dead: weakref.ref) -> None:
+        owner = cache_ref()
+        if owner is None:
+            return
+        entry = owner._entries.get(key)
+        # The id may already belong to a new weight with an entry of its own: keep that one.
+        if entry is not None and entry.weight is dead:
+            del owner._entries[key]
+
+    return drop
+
+
+def clear_weight_cache(module: nn.Module) -> int:
+    """Drop the low-precision weight copies a converted module keeps for inference.
+
+    The next inference forward makes them again from the current weights. Use it to free
+    their memory, or after writing weights in a way the cache cannot notice
+    (``p.data.copy_(t)``). Returns the number of copies dropped (0 for a module that holds
+    none).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"amprewrite.clear_weight_cache expects the nn.Module returned by "
+                        f"amprewrite.convert, got {type(module).__name__}")
+    dropped = 0
+    for sub in module.modules():
+        cache = sub.__dict__.get(CACHE_ATTR)
+        if isinstance(cache, WeightCastCache):
+            dropped += cache.clear()
+    return dropped

@@ -76,6 +76,49 @@ def _op_name(key: object) -> str:
                     "torch.library op")
 
 
+def _custom_op_names(namespace: str) -> list[str]:
+    try:
+        ns = getattr(torch.ops, namespace)
+        return [f"{namespace}::{n}" for n in dir(ns) if not n.startswith("_")
+                and isinstance(getattr(ns, n, None), torch._ops.OpOverloadPacket)]
+    except (AttributeError, RuntimeError):
+        return []
+
+
+def _resolves(key: str) -> bool:
+    """Whether ``key`` names an existing ``torch.library`` op ("ns::name") or a Python function
+    ("module.qualname", as :func:`amprewrite._opkey.callable_key` spells user functions)."""
+    import importlib
+    import sys
+
+    if "::" in key:
+        namespace, _, name = key.partition("::")
+        return key in _custom_op_names(namespace)
+    module, _, qualname = key.partition(".")
+    while qualname:
+        mod = sys.modules.get(module)
+        if mod is None:
+            try:
+                mod = importlib.import_module(module)
+            except Exception:  # not a module path: try a longer prefix
+                mod = None
+        if mod is not None:
+            obj: object = mod
+            for part in qualname.split("."):
+                obj = getattr(obj, part, None)
+            if callable(obj):
+                return True
+        head, _, qualname = qualname.partition(".")
+        module = f"{module}.{head}"
+    return False
+
+
+def _near_pool(key: str) -> set[str]:
+    if "::" in key:
+        return set(_custom_op_names(key.partition("::")[0]))
+    return _known_op_names() | set(_registered_names())
+
+
 def _known_op_names() -> set[str]:
     names = set(DEFAULT_TABLE) | set(CPU_TABLE) | set(CUDA_TABLE)
     names |= {n for n in dir(torch.ops.aten) if not n.startswith("__")}
@@ -121,14 +164,16 @@ class Policy:
         if self.dtype is not None:
             check_low_dtype(self.dtype, "Policy")
         unknown = [k for k, _ in self.op_overrides if k not in _known_op_names()
-                   and "::" not in k and k not in _registered_names()]
+                   and k not in _registered_names() and not _resolves(k)]
         if unknown:
-            hints = {k: difflib.get_close_matches(k, _known_op_names(), n=3) for k in unknown}
+            hints = {k: difflib.get_close_matches(k, _near_pool(k), n=3) for k in unknown}
             raise ValueError(
                 "Policy op overrides name unknown ops: "
                 + "; ".join(f"{k!r} (did you mean {', '.join(map(repr, h)) or 'nothing close'}?)"
                             for k, h in hints.items())
-                + ". Use ATen op names such as 'linear', 'softmax', 'layer_norm'."
+                + ". Use ATen op names such as 'linear', 'softmax', 'layer_norm', "
+                "'namespace::name' for torch.library ops (defined before the Policy is built), "
+                "or pass the function itself."
             )
         for field in ("op_overrides", "module_overrides", "node_overrides"):
             _check_conflicts(field, getattr(self, field))
@@ -188,13 +233,15 @@ class Policy:
         return f"{name}, {self.dtype}"
 
     def table_rule(self, key: str, overload: str | None) -> tuple[OpCategory, str] | None:
+        # A registration is the user's word on an op and beats the preset's table, as Apex's
+        # register_float_function(torch, "sigmoid") did; op overrides beat both.
+        reg = _registered_names().get(key)
+        if reg is not None:
+            return reg, "register_op"
         table = self.table
         for k in (overload, key):
             if k is not None and k in table:
                 return table[k], f"{'default' if self.preset == 'default' else self.preset} table"
-        reg = _registered_names().get(key)
-        if reg is not None:
-            return reg, "register_op"
         return None
 
     def op_override(self, key: str) -> OpCategory | None:

@@ -1,0 +1,166 @@
+"""Gradient-magnitude histogram: log2 buckets, as Figure 3 of Micikevicius et al. (2018).
+
+Every floating output of a backward op adds its nonzero finite magnitudes to one histogram
+with one bucket per power of two (bucket ``e`` holds ``2**e <= |g| < 2**(e+1)``; bucket -127
+holds fp32 subnormals). The audit already builds an exponent histogram per output; these are
+summed on the gradients' device without host syncs and read back once when the audit ends.
+
+From the histogram: the fraction of gradient values that fp16 would flush to zero
+(``|g| < 2**-24``, its smallest subnormal), and a recommended static loss scale: the largest
+power of two that keeps the largest gradient under fp16's max (65504). The scale is relative
+to the loss that was audited: if the audited loss was already scaled by ``s``, multiply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["GradHistogram", "accumulate", "LOW_EXP", "HIGH_EXP"]
+
+LOW_EXP = -127
+"""Lowest bucket: fp32 subnormals (below 2**-126)."""
+HIGH_EXP = 128
+"""One past the highest bucket: fp32's max is below 2**128."""
+_FP16_MAX = 65504.0
+_FP16_FLUSH_EXP = -24
+"""fp16's smallest subnormal is 2**-24; smaller magnitudes round to zero or to it."""
+_FP16_NORMAL_EXP = -14
+
+
+def accumulate(total: torch.Tensor | None, exponents: torch.Tensor,
+               zeros: torch.Tensor) -> torch.Tensor:
+    """Add one output's biased-exponent histogram (256 bins of fp32 exponents, as built by
+    the audit; bin 0 holds zeros and fp32 subnormals, bin 255 inf/NaN) to ``total``, without
+    its ``zeros`` and non-finite values; returns the (new) total, on the same device."""
+    counts = exponents[:HIGH_EXP - LOW_EXP].to(torch.float64)
+    counts[0] -= zeros
+    return counts if total is None else total.add_(counts)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradHistogram:
+    """Counts of backward-op output magnitudes per power of two.
+
+    ``counts[e]`` is the number of values with ``2**e <= |g| < 2**(e+1)``; empty buckets are
+    left out. ``max_abs`` is the largest finite gradient magnitude seen.
+    """
+
+    counts: dict[int, int]
+    max_abs: float | None
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def fp16_flush_fraction(self) -> float:
+        """Fraction of nonzero gradient values that fp16 flushes to zero (< 2**-24)."""
+        total = self.total
+        lost = sum(c for e, c in self.counts.items() if e < _FP16_FLUSH_EXP)
+        return lost / total if total else 0.0
+
+    @property
+    def fp16_subnormal_fraction(self) -> float:
+        """Fraction in fp16's subnormal range [2**-24, 2**-14): kept, with fewer bits."""
+        total = self.total
+        sub = sum(c for e, c in self.counts.items() if _FP16_FLUSH_EXP <= e < _FP16_NORMAL_EXP)
+        return sub / total if total else 0.0
+
+    @property
+    def recommended_loss_scale(self) -> float | None:
+        """Largest power of two ``s`` with ``max_abs * s <= 65504`` (None without gradients).
+        Below 1 when gradients already overflow fp16: scale the loss down."""
+        if not self.max_abs:
+            return None
+        return 2.0 ** math.floor(math.log2(_FP16_MAX / self.max_abs))
+
+    def rows(self, scale: float = 1.0) -> list[tuple[str, int, float, str]]:
+        """(bucket, count, share, fp16 fate) per nonempty bucket, largest first; ``scale``
+        shows where the values land after multiplying the loss by it."""
+        shift = int(round(math.log2(scale))) if scale > 0 else 0
+        total = self.total or 1
+        out = []
+        for e in sorted(self.counts, reverse=True):
+            shifted = e + shift
+            if shifted >= 16:
+                fate = "overflow"
+            elif shifted < _FP16_FLUSH_EXP:
+                fate = "flush to 0"
+            elif shifted < _FP16_NORMAL_EXP:
+                fate = "subnormal"
+            else:
+                fate = "normal"
+            out.append((f"2^{e}", self.counts[e], self.counts[e] / total, fate))
+        return out
+
+    def table(self) -> str:
+        """The histogram as a text table plus the fractions and the recommended scale."""
+        import tabulate
+
+        rows = [(b, c, f"{s:.1%}", fate) for b, c, s, fate in self.rows()]
+        body = tabulate.tabulate(rows, headers=["|grad| >=", "values", "share", "in fp16"],
+                                 colalign=("right", "right", "right", "left"))
+        scale = self.recommended_loss_scale
+        lines = [body,
+                 f"flush to zero in fp16 (< 2^-24): {self.fp16_flush_fraction:.2%}; "
+                 f"subnormal in fp16: {self.fp16_subnormal_fraction:.2%}",
+                 f"max |grad|: {_fmt(self.max_abs)}; recommended static loss scale: "
+                 f"{_fmt_scale(scale)}"]
+        return "\n".join(lines)
+
+    def plot(self, path: str) -> str:
+        """Save a bar plot (log2 buckets, fp16 limits marked) as a PNG; needs matplotlib
+        (``pip install amprewrite[plot]``). Returns ``path``."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as exc:
+            raise ImportError("GradHistogram.plot needs matplotlib: pip install "
+                              "'amprewrite[plot]' (or use GradHistogram.table())") from exc
+        exps = sorted(self.counts)
+        total = self.total or 1
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        ax.bar(exps, [self.counts[e] / total for e in exps], width=0.9, color="tab:blue")
+        for x, label in ((_FP16_FLUSH_EXP, "fp16 smallest subnormal"),
+                         (_FP16_NORMAL_EXP, "fp16 smallest normal"), (16, "fp16 max")):
+            ax.axvline(x, color="tab:red", linestyle="--", linewidth=1)
+            ax.text(x, ax.get_ylim()[1] * 0.95, label, rotation=90, va="top", ha="right",
+                    fontsize=7)
+        ax.set_xlabel("log2 |gradient|")
+        ax.set_ylabel("share of values")
+        ax.set_title("Gradient magnitudes (backward op outputs)")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"counts": {str(e): c for e, c in sorted(self.counts.items())},
+                "max_abs": self.max_abs,
+                "fp16_flush_fraction": self.fp16_flush_fraction,
+                "recommended_loss_scale": self.recommended_loss_scale}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "GradHistogram":
+        return cls({int(e): int(c) for e, c in data["counts"].items()}, data["max_abs"])
+
+    @classmethod
+    def from_counts(cls, counts: list[float], max_abs: float | None) -> "GradHistogram":
+        """From a dense histc result (bucket i is exponent LOW_EXP + i)."""
+        return cls({LOW_EXP + i: int(c) for i, c in enumerate(counts) if c}, max_abs)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
+def _fmt_scale(scale: float | None) -> str:
+    if scale is None:
+        return "- (no gradients recorded)"
+    return f"2^{int(math.log2(scale))} = {scale:g}"

@@ -1,0 +1,136 @@
+"""Low-precision working copies of fp32 master weights (``opt_level="O2"``).
+
+An O2 module computes with fp16/bf16 weights while the fp32 master weights stay its
+parameters (shared with the user's model). Each weight use in ``gm.code`` reads::
+
+    fc1_weight_f16 = _amp_low_copies.get(fc1_weight, torch.float16)
+
+which returns the stored low-precision copy of the master. The copy is *stored*, not cast
+per forward (what O2 means: weights held in low precision), and is refreshed from the
+master after each optimizer step by :class:`amprewrite.MasterWeights`, or lazily when the
+master was changed in place (``load_state_dict``, an in-place update: ``_version`` moves).
+
+Gradients: in grad mode the copy is returned through :class:`_MasterGrad`, whose backward
+hands the low-precision gradient of the copy to the master converted to fp32, so autograd
+accumulates it in fp32 in ``master.grad``: micro-batches of gradient accumulation sum in
+fp32, ``GradScaler.unscale_`` and clipping see fp32 gradients, and
+``torch.autograd.grad(loss, gm.parameters())`` works as usual.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+from ._errors import AmpRewriteError
+
+__all__ = ["LowPrecisionCopies", "LOW_COPIES_ATTR"]
+
+LOW_COPIES_ATTR = "_amp_low_copies"
+
+
+class _Entry(NamedTuple):
+    master: weakref.ref
+    version: int
+    data_ptr: int
+    copy: torch.Tensor
+
+
+class _MasterGrad(torch.autograd.Function):
+    """Forward: the stored low-precision copy. Backward: its gradient, in fp32, to the
+    master (the copy itself is a constant to autograd)."""
+
+    @staticmethod
+    def forward(ctx: Any, master: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+        ctx.master_dtype = master.dtype
+        # NB: autograd returns a view of ``copy`` carrying this node's grad_fn, so the stored
+        # copy itself never joins a graph.
+        return copy
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(ctx.master_dtype), None
+
+
+def _tracing(master: torch.Tensor) -> bool:
+    # Fake-tensor propagation at conversion time and tracers must see a plain cast, and must
+    # not leave fake copies in the store.
+    if isinstance(master, torch._subclasses.FakeTensor) or torch._is_functional_tensor(master):
+        return True
+    return get_proxy_mode() is not None or torch._guards.detect_fake_mode() is not None
+
+
+class LowPrecisionCopies:
+    """The low-precision copies of one O2 GraphModule's master weights."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, torch.dtype], _Entry] = {}
+        self.bindings = 0
+        """How many :class:`amprewrite.MasterWeights` refresh these copies after steps."""
+
+    def get(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The copy of ``master`` in ``dtype``; tracked back to ``master`` in grad mode."""
+        if master.dtype == dtype or _tracing(master):
+            return master.to(dtype)
+        training = master.requires_grad and torch.is_grad_enabled()
+        if training and self.bindings == 0:
+            raise AmpRewriteError(
+                "an opt_level='O2' module ran a forward that needs gradients, but no optimizer "
+                "is bound to its fp32 master weights, so its low-precision copies would not "
+                "follow the optimizer's updates (fused optimizers update in place without "
+                "telling autograd). Bind it before training: "
+                "masters = amprewrite.MasterWeights(gm, optimizer); or run under "
+                "torch.no_grad() for inference.")
+        copy = self._current(master, dtype)
+        return _MasterGrad.apply(master, copy) if training else copy
+
+    def _current(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        key = (id(master), dtype)
+        entry = self._entries.get(key)
+        if (entry is not None and entry.master() is master and entry.version == master._version
+                and entry.data_ptr == master.data_ptr()):
+            return entry.copy
+        return self._store(key, master, dtype)
+
+    def _store(self, key: tuple[int, torch.dtype], master: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+        # A new tensor, not an in-place copy_: a graph that saved the old copy for backward
+        # must keep seeing the values its forward used.
+        with torch.inference_mode(False), torch.no_grad():
+            copy = master.detach().to(dtype)
+        self._entries[key] = _Entry(weakref.ref(master), master._version, master.data_ptr(),
+                                    copy)
+        return copy
+
+    def refresh(self, masters: list[torch.Tensor] | None = None) -> None:
+        """Recompute the copies of ``masters`` (all stored ones when None) from their
+        current values, whatever their version counters say."""
+        wanted = None if masters is None else {id(m) for m in masters}
+        for key, entry in list(self._entries.items()):
+            master = entry.master()
+            if master is None:
+                del self._entries[key]
+            elif wanted is None or id(master) in wanted:
+                self._store(key, master, key[1])
+
+    def copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(master, copy)`` pairs currently stored."""
+        out = []
+        for entry in self._entries.values():
+            master = entry.master()
+            if master is not None:
+                out.append((master, entry.copy))
+        return out
+
+    def nbytes(self) -> int:
+        return sum(e.copy.numel() * e.copy.element_size() for e in self._entries.values())
+
+    # A copy of the module starts with no copies and no bound optimizer of its own.
+    def __deepcopy__(self, memo: dict) -> "LowPrecisionCopies":
+        return LowPrecisionCopies()
+
+    def __reduce__(self) -> Any:
+        return (LowPrecisionCopies, ())

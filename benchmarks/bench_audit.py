@@ -1,0 +1,143 @@
+"""Overhead of ``amprewrite.audit()`` on a forward + backward step.
+
+Runs the same step with and without the audit in one process, interleaved (plain, audited,
+plain, audited, ...), and reports the median time of each and their ratio. The audited step
+includes reading the statistics back and building the report (the ``with`` block's exit).
+
+    python benchmarks/bench_audit.py                 # print the table
+    python benchmarks/bench_audit.py --update-md     # also replace the block in BENCHMARKS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+import amprewrite
+
+_BEGIN, _END = "<!-- audit:begin -->", "<!-- audit:end -->"
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x)) + x
+        return self.head(self.norm(x)).log_softmax(-1)
+
+
+def _step(model: nn.Module, x: torch.Tensor, autocast: bool) -> Callable[[], None]:
+    def run() -> None:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(x)
+        out.float().sum().backward()
+    return run
+
+
+def _measure(step: Callable[[], None], reps: int, aggregate: bool) -> tuple[float, float, int]:
+    plain, audited = [], []
+    ops = 0
+    for _ in range(2):  # warm-up
+        step()
+        with amprewrite.audit(aggregate=aggregate):
+            step()
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        plain.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with amprewrite.audit(aggregate=aggregate) as report:
+            step()
+        audited.append(time.perf_counter() - t0)
+        ops = sum(r.count for r in report.records)
+    return statistics.median(plain), statistics.median(audited), ops
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()],
+                        help="intra-op thread counts to measure (one table row set each)")
+    parser.add_argument("--update-md", action="store_true",
+                        help="replace the audit block of BENCHMARKS.md with the results")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = MLP(args.width, args.depth)
+    x = torch.randn(args.batch, args.width)
+    converted = amprewrite.convert(model, (x,), dtype=torch.bfloat16)
+    cases = [
+        ("eager fp32", _step(model, x, False), False),
+        ("eager, torch.autocast bf16", _step(model, x, True), False),
+        ("converted bf16", _step(converted, x, False), False),
+        ("converted bf16, aggregate=True", _step(converted, x, False), True),
+    ]
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for name, step, aggregate in cases:
+            plain, audited, ops = _measure(step, args.reps, aggregate)
+            rows.append((name, threads, ops, plain * 1e3, audited * 1e3, audited / plain))
+            print(rows[-1], file=sys.stderr)
+    import tabulate
+
+    table = tabulate.tabulate(
+        [(n, t, o, f"{p:.1f}", f"{a:.1f}", f"{r:.2f}x") for n, t, o, p, a, r in rows],
+        headers=["fwd+bwd step", "threads", "ops", "plain ms", "audited ms", "overhead"],
+        tablefmt="github")
+    command = "python benchmarks/bench_audit.py " + " ".join(sys.argv[1:])
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    machine = (f"CPU ({platform.processor() or platform.machine()}), "
+               f"{os.cpu_count()} cores, torch {torch.__version__}; 1-minute load average "
+               f"{load:.1f} at the end (other processes shared the cores)")
+    block = "\n".join([
+        _BEGIN,
+        "## Auditor overhead (`amprewrite.audit()`)",
+        "",
+        f"MLP: {args.depth} x Linear({args.width}, {args.width}) + ReLU + residual, LayerNorm, "
+        f"head; batch {args.batch}. One step = zero_grad + forward + backward; audited steps "
+        "include the read-back and report building at exit. Interleaved repetitions in one "
+        f"process, median of {args.reps}. Target: <= 3x on CPU.",
+        "",
+        f"Command: `{command.strip()}`  ",
+        f"Machine: {machine}",
+        "",
+        table,
+        _END,
+    ])
+    print(block)
+    if args.update_md:
+        _update(block)
+
+
+def _update(block: str) -> None:
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "BENCHMARKS.md")
+    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+    pattern = re.compile(re.escape(_BEGIN) + ".*?" + re.escape(_END), re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text)
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()

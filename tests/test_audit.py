@@ -1,0 +1,318 @@
+"""amprewrite.audit(): planted faults are found, named and attributed; no per-op host sync."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+import amprewrite
+from amprewrite import AuditReport, OpRecord
+
+
+class Net(nn.Module):
+    """fc1 -> GELU -> fc2; ``big=True`` plants an fp16 overflow in fc1's matmul."""
+
+    def __init__(self, big: bool = False) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(4, 2)
+        with torch.no_grad():
+            for p, v in ((self.fc1.weight, 300.0 if big else 0.1), (self.fc1.bias, 0.0),
+                         (self.fc2.weight, 0.2), (self.fc2.bias, 0.1)):
+                p.fill_(v)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.arange(12.0).reshape(3, 4) / 10)
+            self.fc.bias.fill_(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.fc(x), -1)
+
+
+def _x(value: float = 1.0) -> torch.Tensor:
+    return torch.full((2, 4), value)
+
+
+def test_forward_overflow_producer_is_named_and_passers_on_are_not_blamed():
+    x = _x(100.0)  # 4 * 100 * 300 = 120000 > 65504
+    gm = amprewrite.convert(Net(big=True), (x,), dtype=torch.float16)
+    with amprewrite.audit() as report:
+        gm(x).float().sum()
+    first = report.first_nonfinite
+    assert (first.op, first.node, first.module, first.phase) == ("addmm", "linear", "fc1",
+                                                                  "forward")
+    assert (first.nonfinite, first.fp16_overflow, first.out_dtype) == (8, 8, "f16")
+    assert report.producers == [first]
+    # gelu, the second matmul and the sum see inf/NaN but only pass it on.
+    passers = [r for r in report.records if r.nonfinite and r is not first]
+    assert [r.op for r in passers] == ["gelu", "addmm", "_to_copy", "sum"]
+    assert not any(r.produced_nonfinite for r in passers)
+    assert [r.node for r in passers[:2]] == ["gelu", "linear_1"]
+
+
+def test_forward_overflow_in_eager_autocast_model_names_the_module():
+    model, x = Net(big=True), _x(100.0)
+    with amprewrite.audit() as report:
+        with torch.autocast("cpu", dtype=torch.float16):
+            model(x)
+    first = report.first_nonfinite
+    assert (first.op, first.node, first.module, first.out_dtype) == ("addmm", None, "fc1", "f16")
+    assert [r.module for r in report.producers] == ["fc1"]
+
+
+def test_backward_only_overflow_is_found_in_backward_and_attributed():
+    x = _x()
+    gm = amprewrite.convert(Head(), (x,), dtype=torch.float16)
+    with amprewrite.audit() as report:
+        out = gm(x)
+        # The loss is fine in fp32; its scaled gradient (2**24) overflows when cast to fp16.
+        (-out[:, 0].sum() * 2.0**24).backward()
+    assert all(r.nonfinite == 0 for r in report.records if r.phase == "forward")
+    first = report.first_nonfinite
+    assert (first.phase, first.cast, first.op, first.grad_fn) == (
+        "backward", True, "_to_copy", "ToCopyBackward0")
+    assert (first.node, first.in_dtypes, first.out_dtype) == ("log_softmax", ("f32",), "f16")
+    assert first.nonfinite == 6 and first.fp16_overflow == 6
+    backward_nodes = {r.node for r in report.records if r.phase == "backward"}
+    assert {"linear", "log_softmax"} <= backward_nodes
+    mm = [r for r in report.records if r.phase == "backward" and r.op == "mm"]
+    assert [(r.node, r.module, r.grad_fn) for r in mm] == [("linear", "fc", "AddmmBackward0")]
+    assert not mm[0].produced_nonfinite
+
+
+def test_underflow_counts_tiny_activations():
+    class Tiny(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 1e-6
+
+    x = torch.ones(3, 5, dtype=torch.float16)
+    with amprewrite.audit() as report:
+        Tiny()(x)
+    (mul,) = report.records
+    assert (mul.op, mul.module, mul.out_dtype, mul.shape) == ("mul", "", "f16", (3, 5))
+    assert mul.fp16_underflow == 15 and mul.nonfinite == 0 and mul.fp16_overflow == 0
+    assert mul.max_abs == mul.min_nonzero_abs == float(torch.tensor(1e-6, dtype=torch.float16))
+
+
+def test_statistics_are_exact_for_each_dtype():
+    inf, nan = float("inf"), float("nan")
+    values = [0.0, -0.0, 1e-6, -3.0, 7e4, inf, nan, -1e-3]
+    for dtype, over in ((torch.float32, 1), (torch.bfloat16, 1), (torch.float16, 2)):
+        t = torch.tensor(values).to(dtype)
+        with amprewrite.audit() as report:
+            t.clone()
+        (r,) = report.records
+        assert r.nonfinite == 2 + (dtype == torch.float16)  # 7e4 is inf in fp16
+        assert r.fp16_overflow == over, dtype
+        assert r.fp16_underflow == 1  # 1e-6 (1e-3 is a normal fp16 value)
+        assert r.max_abs == (3.0 if dtype == torch.float16 else float(t[4]))
+        assert r.min_nonzero_abs == float(t[2])
+
+
+def test_clean_model_has_no_nonfinite_records():
+    x = _x()
+    gm = amprewrite.convert(Net(), (x,), dtype=torch.bfloat16)
+    with amprewrite.audit() as report:
+        gm(x).float().sum().backward()
+    assert report.records and report.first_nonfinite is None and report.producers == []
+    assert all(r.nonfinite == 0 and r.fp16_overflow == 0 for r in report.records)
+    assert {r.phase for r in report.records} == {"forward", "backward"}
+
+
+def test_converted_graph_rows_carry_nodes_and_casts_are_labelled():
+    x = _x()
+    gm = amprewrite.convert(Net(), (x,), dtype=torch.bfloat16)
+    with amprewrite.audit() as report:
+        gm(x)
+    forward = [(r.label, r.node, r.module) for r in report.records]
+    assert forward == [
+        ("cast (_to_copy)", "x_bf16", "fc1"), ("cast (_to_copy)", "fc1_weight_bf16", "fc1"),
+        ("cast (_to_copy)", "fc1_bias_bf16", "fc1"), ("addmm", "linear", "fc1"),
+        ("gelu", "gelu", "act"), ("cast (_to_copy)", "fc2_weight_bf16", "fc2"),
+        ("cast (_to_copy)", "fc2_bias_bf16", "fc2"), ("addmm", "linear_1", "fc2")]
+    casts = [r for r in report.records if r.cast]
+    # x: 8 bf16 values; fc1: 16 + 4; fc2: 8 + 2; 2 bytes each.
+    assert sum(r.cast_bytes for r in casts) == 2 * (8 + 16 + 4 + 8 + 2)
+    assert report.summary()["casts"] == {"count": 5, "bytes": 76}
+
+
+def test_symbolic_capture_without_example_inputs_is_attributed():
+    gm = amprewrite.convert(Net(), dtype=torch.float16)
+    with amprewrite.audit() as report:
+        gm(_x())
+    assert ("addmm", "linear", "fc1") in [(r.op, r.node, r.module) for r in report.records]
+    assert [r.node for r in report.records if r.cast][0] == "x_f16"
+
+
+def test_eager_autocast_model_is_audited_with_module_paths():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 2)))
+    with amprewrite.audit() as report:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(_x())
+        y.float().sum().backward()
+    fwd = [(r.label, r.module, r.out_dtype) for r in report.records if r.phase == "forward"]
+    assert ("addmm", "0", "bf16") in fwd and ("addmm", "2.0", "bf16") in fwd
+    assert ("relu", "1", "bf16") in fwd
+    assert sum(1 for r in report.records if r.cast and r.phase == "forward") == 6
+    bwd = {(r.op, r.module) for r in report.records if r.phase == "backward"}
+    assert ("mm", "2.0") in bwd and ("threshold_backward", "1") in bwd and ("mm", "0") in bwd
+    flops = report.summary()["flops"]
+    # forward 2*2*4*4 + 2*2*4*2; backward mm: input grad of 2.0 + both weight grads.
+    assert flops["by_dtype"] == {"bf16": 64 + 32 + 32 + 64 + 32}
+    assert flops["low_precision_share"] == 1.0
+
+
+def test_no_host_sync_per_op(monkeypatch):
+    """Statistics stay tensors until exit, then one ``.tolist()`` reads them (CPU: one
+    device). Counted through the Python entry points of every host read."""
+    calls = {"tolist": 0, "item": 0, "bool": 0, "float": 0, "int": 0}
+    for name, attr in (("tolist", "tolist"), ("item", "item"), ("bool", "__bool__"),
+                       ("float", "__float__"), ("int", "__int__")):
+        original = getattr(torch.Tensor, attr)
+
+        def counted(self, *a, _name=name, _original=original, **k):
+            calls[_name] += 1
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, attr, counted)
+    x = _x()
+    gm = amprewrite.convert(Net(), (x,), dtype=torch.float16)
+    session = amprewrite.audit()
+    with session as report:
+        for _ in range(3):
+            gm(x).float().sum().backward()
+        assert calls == {k: 0 for k in calls}
+        pending = [v for g in session._recorder.groups for v in g.raw]
+        assert len(pending) == len(session._recorder.groups) > 50
+        assert all(isinstance(v, torch.Tensor) and v.shape == (7,) for v in pending)
+        assert report.records == []  # nothing read yet
+    assert calls == {"tolist": 1, "item": 0, "bool": 0, "float": 0, "int": 0}
+    assert len(report.records) == len(pending)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_host_sync_on_cuda():
+    model = Net().cuda()
+    x = _x().cuda()
+    gm = amprewrite.convert(model, (x,), dtype=torch.float16)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with amprewrite.audit(aggregate=True) as report:
+            for _ in range(3):
+                gm(x).float().sum().backward()
+            torch.cuda.set_sync_debug_mode(0)  # the read-back at exit syncs, by design
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert report.records and report.first_nonfinite is None
+
+
+def test_aggregate_keeps_one_row_per_key_with_counts():
+    x = _x()
+    gm = amprewrite.convert(Net(), (x,), dtype=torch.float16)
+    with amprewrite.audit() as once:
+        gm(x).float().sum()
+    with amprewrite.audit(aggregate=True) as report:
+        for _ in range(70):  # more than one fold of pending vectors
+            gm(x).float().sum()
+    assert [(r.op, r.node) for r in report.records] == [(r.op, r.node) for r in once.records]
+    assert {r.count for r in report.records} == {70}
+    assert [r.max_abs for r in report.records] == [r.max_abs for r in once.records]
+    assert report.records[0].flops == 0 and report.records[3].flops == 70 * once.records[3].flops
+
+
+def test_aggregate_finds_the_first_producer():
+    x = _x(100.0)
+    gm = amprewrite.convert(Net(big=True), (x,), dtype=torch.float16)
+    clean = amprewrite.convert(Net(), (x,), dtype=torch.float16)
+    with amprewrite.audit(aggregate=True) as report:
+        for _ in range(3):
+            clean(x)
+        gm(x)
+    # Both graphs name their first matmul "linear": one row, 4 calls, the last one overflowed.
+    first = report.first_nonfinite
+    assert (first.op, first.node, first.count, first.nonfinite) == ("addmm", "linear", 4, 8)
+    assert report.producers == [first]
+
+
+def test_grad_histogram_and_loss_scale():
+    w = torch.tensor([1.0, 2.0**-30, 2.0**-20, 3.0], requires_grad=True)
+    with amprewrite.audit() as report:
+        (w * torch.tensor([1.0, 1.0, 1.0, 1.0])).sum().backward()
+    hist = report.grad_histogram
+    # The one recorded backward op is mul(expanded ones, other): four gradients equal to 1.
+    assert hist.max_abs == 1.0
+    assert hist.recommended_loss_scale == 2.0**15  # 1 * 2**15 = 32768 <= 65504
+    assert set(hist.counts) == {0}
+    v = torch.tensor([2.0**-30, 2.0**-20, 3.0, 0.0], requires_grad=True)
+    with amprewrite.audit() as report:
+        (v * torch.tensor([1.0, 1.0, 1.0, 1.0])).backward(torch.tensor([2.0**-30, 2.0**-20,
+                                                                        3.0, 0.0]))
+    hist = report.grad_histogram
+    assert hist.counts == {-30: 1, -20: 1, 1: 1}
+    assert hist.fp16_flush_fraction == pytest.approx(1 / 3)
+    assert hist.recommended_loss_scale == 2.0**14  # 3 * 2**14 = 49152 <= 65504 < 3 * 2**15
+    text = hist.table()
+    assert "2^-30" in text and "flush to 0" in text and "2^14 = 16384" in text
+
+
+def test_grad_histogram_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    x = _x()
+    gm = amprewrite.convert(Net(), (x,), dtype=torch.float16)
+    with amprewrite.audit() as report:
+        gm(x).float().sum().backward()
+    path = report.grad_histogram.plot(str(tmp_path / "grads.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_json_round_trip():
+    x = _x(100.0)
+    gm = amprewrite.convert(Net(big=True), (x,), dtype=torch.float16)
+    with amprewrite.audit() as report:
+        gm(x).float().sum().backward()
+    data = report.to_dict()
+    text = json.dumps(data, allow_nan=False)
+    loaded = json.loads(text)
+    assert loaded == data
+    back = AuditReport.from_dict(loaded)
+    assert back.records == report.records
+    assert back.first_nonfinite == report.first_nonfinite and back.first_nonfinite is not None
+    assert back.grad_histogram == report.grad_histogram
+    assert back.to_dict() == data
+    assert isinstance(back.records[0], OpRecord)
+
+
+def test_errors_name_the_argument():
+    with pytest.raises(TypeError, match="aggregate=1"):
+        amprewrite.audit(aggregate=1)
+    with pytest.raises(ValueError, match="unknown keys"):
+        OpRecord.from_dict({"op": "mm", "bogus": 1})
+    session = amprewrite.audit()
+    with session:
+        pass
+    with pytest.raises(RuntimeError, match="not reentrant"):
+        with session:
+            pass
+
+
+def test_hooks_are_removed_after_exit():
+    hooks = torch.nn.modules.module
+    before = (len(hooks._global_forward_pre_hooks), len(hooks._global_forward_hooks))
+    with pytest.raises(ZeroDivisionError):
+        with amprewrite.audit():
+            Net()(_x())
+            1 / 0
+    assert (len(hooks._global_forward_pre_hooks), len(hooks._global_forward_hooks)) == before

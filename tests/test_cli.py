@@ -1,0 +1,163 @@
+"""``python -m amprewrite``: the demo, explain and audit commands, and their errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from amprewrite._cli import main
+
+FACTORIES = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+
+    def mlp():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4), nn.Softmax(-1))
+        return model, (torch.randn(2, 8),)
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return h.relu() if h.sum() > 0 else -h
+
+    def branchy():
+        torch.manual_seed(0)
+        return Branchy(), (torch.randn(2, 8),)
+
+    def model_only():
+        return nn.Linear(2, 2)
+
+    def tensor_inputs():
+        return nn.Linear(2, 2), torch.randn(1, 2)
+
+    def not_a_model():
+        return "model", (torch.randn(1, 2),)
+
+    def raises():
+        raise KeyError("no such checkpoint")
+
+    NOT_CALLABLE = 3
+''')
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "userfactories.py").write_text(FACTORIES)
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    sys.modules.pop("userfactories", None)
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "amprewrite", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+# -- as a subprocess --------------------------------------------------------------------------
+def test_demo() -> None:
+    proc = run_cli("demo")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    sections = ["== rewritten graph (gm.code) ==", "== decisions (amprewrite.explain) ==",
+                "== one training step (amprewrite.audit) ==", "== accuracy vs fp32 =="]
+    assert [out.index(s) for s in sections] == sorted(out.index(s) for s in sections)
+    assert "lm_head_weight_bf16 = _amp_weight_cache.cast(lm_head_weight, torch.bfloat16)" in out
+    assert "softmax = torch.ops.aten.softmax.int(masked_fill, -1, dtype = torch.float32)" in out
+    assert "linear_4        linear       lower             bf16   bf16  default table" in out
+    assert "37 op nodes: 7 bf16, 4 f32, 26 passthrough; casts: 13 inserted" in out
+    assert "amprewrite audit:" in out and "backward" in out
+    assert "max |logits - fp32 logits|: amprewrite" in out
+    assert "Traceback" not in proc.stderr
+
+
+def test_explain_and_audit_a_factory(project: Path) -> None:
+    proc = run_cli("explain", "userfactories:mlp", cwd=project)
+    assert proc.returncode == 0, proc.stderr
+    assert "def forward" in proc.stdout
+    assert "softmax   softmax  fp32 (dtype arg)  f32    f32   default table" in proc.stdout
+
+
+def test_audit_json_from_a_file_target(project: Path, capsys) -> None:
+    assert main(["audit", "userfactories.py:mlp", "--policy", "autocast-cpu", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["summary"][0]["per_dtype"] == {"bf16": 2, "passthrough": 2}
+    phases = {r["phase"] for r in result["audit"]["records"]}
+    assert phases == {"forward", "backward"}
+
+
+def test_bad_target_is_one_line(project: Path) -> None:
+    proc = run_cli("explain", "userfactories:mpl", cwd=project)
+    assert proc.returncode == 2
+    assert proc.stderr == ("amprewrite: error: module 'userfactories' has no attribute 'mpl'; "
+                           "did you mean 'mlp'?\n")
+    assert proc.stdout == ""
+
+
+def test_unconvertible_model_exits_1_with_the_fix(project: Path) -> None:
+    proc = run_cli("explain", "userfactories:branchy", cwd=project)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("amprewrite: cannot convert Branchy: AmpRewriteError: "
+                                  "torch.export could not capture Branchy")
+    assert proc.stderr.rstrip().endswith("From the command line: add --capture compile.")
+    assert "Traceback" not in proc.stderr and "def forward" not in proc.stderr
+
+
+# -- in process (same code path, faster) ------------------------------------------------------
+def test_compile_capture_converts_control_flow(project: Path, capsys) -> None:
+    assert main(["explain", "userfactories:branchy", "--capture", "compile"]) == 0
+    out = capsys.readouterr().out
+    assert "# graph 0" in out and "== graph 0 ==" in out
+    assert "lower             bf16   bf16  default table" in out
+
+
+def test_dtype_and_policy_flags(project: Path, capsys) -> None:
+    assert main(["explain", "userfactories:mlp", "--dtype", "fp16", "--policy",
+                 "autocast-cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "policy: autocast('cpu'), low dtype f16" in out
+    assert "input_1_f16 = input_1.to(torch.float16)" in out
+    assert "softmax   softmax  passthrough  -      f16  not listed" in out   # CPU lists
+
+
+def test_explain_json(project: Path, capsys) -> None:
+    assert main(["explain", "userfactories:mlp", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    (graph,) = result["explain"]
+    assert [n["op"] for n in graph["nodes"]] == ["linear", "relu", "linear", "softmax"]
+    assert graph["summary"]["casts_inserted"] == 5
+
+
+@pytest.mark.parametrize("target, message", [
+    ("userfactories", "target 'userfactories' must look like 'pkg.module:factory' or "
+                      "'path/to/file.py:factory'"),
+    ("no_such_module:f", "cannot import 'no_such_module' (from target 'no_such_module:f'): "
+                         "ModuleNotFoundError: No module named 'no_such_module'"),
+    ("missing.py:f", "no such file: 'missing.py'"),
+    ("userfactories:NOT_CALLABLE", "'userfactories:NOT_CALLABLE' is a int, not a function; "
+                                   "expected a factory returning (model, example_inputs)"),
+    ("userfactories:model_only", "factory 'userfactories:model_only' returned a Linear; "
+                                 "expected a tuple (model, example_inputs) or (model, "
+                                 "example_inputs, example_kwargs)"),
+    ("userfactories:tensor_inputs", "factory 'userfactories:tensor_inputs' returned a Tensor "
+                                    "as example_inputs; expected a tuple of positional "
+                                    "inputs: return (model, (x,))"),
+    ("userfactories:not_a_model", "factory 'userfactories:not_a_model' returned a str as the "
+                                  "model; expected a torch.nn.Module"),
+    ("userfactories:raises", "factory 'userfactories:raises' raised KeyError: "
+                             "'no such checkpoint'"),
+])
+def test_target_errors(project: Path, capsys, target: str, message: str) -> None:
+    assert main(["audit", target]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"amprewrite: error: {message}\n"
+    assert captured.out == ""

@@ -1,0 +1,107 @@
+"""explain(): the table of decisions, pinned with expecttest (EXPECTTEST_ACCEPT=1 to update)."""
+
+from __future__ import annotations
+
+import json
+
+import expecttest
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import amprewrite
+from amprewrite import OpCategory, Policy
+from amprewrite._explain import explain_records
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x + self.lin(x))
+        return F.softmax(self.head(h), dim=-1)
+
+
+X = (torch.randn(2, 8),)
+
+
+class TestExplain(expecttest.TestCase):
+    def test_export_default_policy(self) -> None:
+        gm = amprewrite.convert(Small(), X)
+        self.assertExpectedInline(amprewrite.explain(gm), """\
+policy: default (CUDA AMP rules), low dtype bf16
+node        op          category          dtype  out   rule           casts
+----------  ----------  ----------------  -----  ----  -------------  -------------------------------------------------
+linear      linear      lower             bf16   bf16  default table  x_bf16, lin_weight_bf16, lin_bias_bf16
+add         add         passthrough       -      f32   not listed     -
+layer_norm  layer_norm  fp32              f32    f32   default table  -
+linear_1    linear      lower             bf16   bf16  default table  layer_norm_bf16, head_weight_bf16, head_bias_bf16
+softmax     softmax     fp32 (dtype arg)  f32    f32   default table  -
+5 op nodes: 2 bf16, 2 f32, 1 passthrough; casts: 6 inserted, 0 eliminated, 0 guarded""")
+
+    def test_overrides_name_the_rule(self) -> None:
+        policy = Policy.autocast("cpu").override(ops={"softmax": OpCategory.FP32},
+                                                 keep_fp32=["head"])
+        gm = amprewrite.convert(Small(), X, policy=policy)
+        self.assertExpectedInline(amprewrite.explain(gm), """\
+policy: autocast('cpu') + 2 overrides, low dtype bf16
+node        op          category     dtype  out   rule                    casts
+----------  ----------  -----------  -----  ----  ----------------------  --------------------------------------
+linear      linear      lower        bf16   bf16  cpu table               x_bf16, lin_weight_bf16, lin_bias_bf16
+add         add         passthrough  -      f32   not listed              -
+layer_norm  layer_norm  passthrough  -      f32   not listed              -
+linear_1    linear      fp32         f32    f32   module override 'head'  -
+softmax     softmax     fp32         f32    f32   op override 'softmax'   -
+5 op nodes: 1 bf16, 2 f32, 2 passthrough; casts: 3 inserted, 0 eliminated, 0 guarded""")
+
+    def test_symbolic_without_inputs_is_guarded(self) -> None:
+        gm = amprewrite.convert(Small())
+        self.assertExpectedInline(amprewrite.explain(gm), """\
+policy: default (CUDA AMP rules), low dtype bf16
+node        op          category          dtype  out  rule           casts
+----------  ----------  ----------------  -----  ---  -------------  -------------------------------------------------
+linear      linear      lower             bf16   ?    default table  x_bf16, lin_weight_bf16, lin_bias_bf16
+add         add         passthrough       -      ?    not listed     -
+layer_norm  layer_norm  fp32              f32    ?    default table  add_f32
+linear_1    linear      lower             bf16   ?    default table  layer_norm_bf16, head_weight_bf16, head_bias_bf16
+softmax     softmax     fp32 (dtype arg)  f32    ?    default table  -
+5 op nodes: 2 bf16, 2 f32, 1 passthrough; casts: 7 inserted, 0 eliminated, 3 guarded""")
+
+
+def test_summary_counts_eliminated_casts() -> None:
+    class TwoUses(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(x.float()) + self.b(x)   # x.float() is an identity; x cast once
+
+    (rec,) = explain_records(amprewrite.convert(TwoUses(), X))
+    assert rec["summary"]["eliminated_by_rule"] == {"duplicate": 1, "identity": 1}
+    assert rec["summary"]["casts_eliminated"] == 2
+    assert "2 eliminated (duplicate 1, identity 1)" in amprewrite.explain(
+        amprewrite.convert(TwoUses(), X))
+
+
+def test_records_are_json_ready() -> None:
+    (rec,) = explain_records(amprewrite.convert(Small(), X))
+    again = json.loads(json.dumps(rec))
+    assert again["nodes"][0] == {
+        "node": "linear", "op": "linear", "category": "lower", "dtype": "bf16", "out": "bf16",
+        "rule": "default table", "casts": ["x_bf16", "lin_weight_bf16", "lin_bias_bf16"],
+        "guarded": False}
+    assert again["summary"]["per_dtype"] == {"bf16": 2, "f32": 2, "passthrough": 1}
+
+
+def test_rejects_what_was_not_converted() -> None:
+    with pytest.raises(TypeError, match="got Small. Convert the model first"):
+        amprewrite.explain(Small())
+    with pytest.raises(ValueError, match="was not converted by amprewrite"):
+        amprewrite.explain(torch.fx.symbolic_trace(Small()))

@@ -1,0 +1,190 @@
+"""convert(opt_level=...): O0 / O2 / O3 graphs, their dtypes, and the user's model untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import amprewrite
+from amprewrite import AmpRewriteError, Policy
+from amprewrite._low_copies import LOW_COPIES_ATTR
+from amprewrite._meta import cast_info
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models: one thread is faster and keeps runs deterministic on a busy machine.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class Net(nn.Module):
+    def __init__(self, norm: str = "layer") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16) if norm == "layer" else nn.BatchNorm1d(16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.norm(F.gelu(self.fc1(x))))
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _same_state(model: nn.Module, before: dict[str, torch.Tensor]) -> bool:
+    now = model.state_dict()
+    return now.keys() == before.keys() and all(
+        now[k].dtype == v.dtype and torch.equal(now[k], v) for k, v in before.items())
+
+
+X = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+
+# -- errors -----------------------------------------------------------------------------------
+def test_unknown_opt_level() -> None:
+    with pytest.raises(ValueError, match=r"opt_level='O4' does not exist; expected one of "
+                                         r"'O0', 'O1', 'O2', 'O3'"):
+        amprewrite.convert(Net(), (X,), opt_level="O4")
+
+
+def test_opt_level_is_not_case_folded() -> None:
+    with pytest.raises(ValueError, match="opt_level='o2' does not exist"):
+        amprewrite.convert(Net(), (X,), opt_level="o2")
+
+
+def test_policy_only_with_o1() -> None:
+    with pytest.raises(ValueError, match="a policy was given with opt_level='O2'"):
+        amprewrite.convert(Net(), (X,), opt_level="O2",
+                           policy=Policy.autocast("cpu", torch.bfloat16))
+
+
+def test_dtype_not_with_o0() -> None:
+    with pytest.raises(ValueError, match=r"dtype=torch.float16 was given with opt_level='O0'"):
+        amprewrite.convert(Net(), (X,), opt_level="O0", dtype=torch.float16)
+
+
+# -- O0 and O1 --------------------------------------------------------------------------------
+@pytest.mark.parametrize("inputs", [(X,), None], ids=["export", "symbolic"])
+def test_o0_runs_exactly_as_the_model(inputs: tuple | None) -> None:
+    model = Net()
+    gm = amprewrite.convert(model, inputs, opt_level="O0")
+    assert not [n for n in gm.graph.nodes if cast_info(n) is not None]
+    assert ".to(" not in gm.code and "cast" not in gm.code
+    out, ref = gm(X), model(X)
+    assert out.dtype == torch.float32 and torch.equal(out, ref)
+    out.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(X).sum().backward()
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+
+
+def test_o1_is_the_default() -> None:
+    model = Net()
+    assert amprewrite.convert(model, (X,)).code == \
+        amprewrite.convert(model, (X,), opt_level="O1").code
+
+
+# -- O2 ---------------------------------------------------------------------------------------
+def test_o2_graph() -> None:
+    model = Net()
+    before = _state(model)
+    gm = amprewrite.convert(model, (X,), opt_level="O2", dtype=torch.float16)
+    code = gm.code
+    for weight in ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"):
+        assert f"{weight}_f16 = _amp_low_copies.get({weight}, torch.float16)" in code
+    assert "_amp_low_copies.get(norm_weight" not in code
+    vals = {n.name: n.meta["val"].dtype for n in gm.graph.nodes
+            if isinstance(n.meta.get("val"), torch.Tensor)}
+    assert vals["x_f16"] == vals["linear"] == vals["gelu"] == torch.float16
+    assert vals["layer_norm"] == torch.float32  # the norm computes in fp32
+    assert vals["linear_1"] == torch.float16
+    # the masters are the model's own fp32 parameters; nothing of the model changed
+    assert [id(p) for p in gm.parameters()] == [id(p) for p in model.parameters()]
+    assert _same_state(model, before)
+    with torch.no_grad():
+        out = gm(X)
+    assert out.dtype == torch.float32 and out.shape == (4, 4)
+
+
+def test_o2_symbolic_matches_export_bitwise() -> None:
+    model = Net()
+    static = amprewrite.convert(model, (X,), opt_level="O2", dtype=torch.float16)
+    guarded = amprewrite.convert(model, opt_level="O2", dtype=torch.float16)
+    assert "guarded_cast" in guarded.code
+    with torch.no_grad():
+        assert torch.equal(static(X), guarded(X))
+
+
+@pytest.mark.parametrize("inputs", [(X,), None], ids=["export", "symbolic"])
+def test_o2_batchnorm_stays_fp32(inputs: tuple | None) -> None:
+    model = Net(norm="batch")
+    before = _state(model)
+    gm = amprewrite.convert(model, inputs, opt_level="O2", dtype=torch.float16)
+    assert _same_state(model, before)  # conversion ran no real batch statistics
+    opt = torch.optim.SGD(gm.parameters(), lr=0.1)
+    amprewrite.MasterWeights(gm, opt)
+    gm(X).sum().backward()
+    assert model.norm.weight.grad.dtype == torch.float32
+    assert model.norm.running_mean.dtype == torch.float32
+    assert not torch.equal(model.norm.running_mean, before["norm.running_mean"])
+    assert model.fc1.weight.grad.dtype == torch.float32
+
+
+def test_o2_forward_with_grad_needs_bound_optimizer() -> None:
+    gm = amprewrite.convert(Net(), (X,), opt_level="O2", dtype=torch.float16)
+    with pytest.raises(AmpRewriteError, match=r"amprewrite.MasterWeights\(gm, optimizer\)"):
+        gm(X)
+    with torch.no_grad():
+        gm(X)  # inference needs no optimizer
+
+
+def test_o2_copies_follow_fused_steps_and_loads() -> None:
+    model = Net()
+    gm = amprewrite.convert(model, (X,), opt_level="O2", dtype=torch.bfloat16)
+    # NB: fused AdamW updates in place without moving the version counter.
+    opt = torch.optim.AdamW(gm.parameters(), lr=0.1, fused=True)
+    amprewrite.MasterWeights(gm, opt)
+    store = getattr(gm, LOW_COPIES_ATTR)
+    gm(X).sum().backward()
+    opt.step()
+    pairs = store.copies()
+    assert len(pairs) == 4
+    assert all(torch.equal(copy_, master.detach().to(torch.bfloat16)) for master, copy_ in pairs)
+    with torch.no_grad():
+        gm(X)
+    # load_state_dict writes in place: the next forward notices
+    other = Net()
+    torch.nn.init.constant_(other.fc1.weight, 0.5)
+    gm.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        gm(X)
+    copy_ = next(c for m, c in store.copies() if m is model.fc1.weight)
+    assert torch.equal(copy_, torch.full_like(copy_, 0.5))
+
+
+# -- O3 ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("inputs", [(X,), None], ids=["export", "symbolic"])
+def test_o3_owns_low_precision_copies(inputs: tuple | None) -> None:
+    model = Net(norm="batch")
+    before = _state(model)
+    gm = amprewrite.convert(model, inputs, opt_level="O3", dtype=torch.float16)
+    params = list(gm.parameters())
+    assert all(p.dtype == torch.float16 and p.requires_grad for p in params)
+    assert not {id(p) for p in params} & {id(p) for p in model.parameters()}
+    assert gm.get_submodule("norm").running_var.dtype == torch.float16 if inputs is None \
+        else gm.get_buffer("norm.running_var").dtype == torch.float16
+    opt = torch.optim.SGD(gm.parameters(), lr=0.1)
+    out = gm(X)
+    assert out.dtype == torch.float32
+    out.sum().backward()
+    opt.step()
+    assert _same_state(model, before)
+    assert all(p.grad.dtype == torch.float16 for p in params)

@@ -1,0 +1,205 @@
+"""Bitwise parity of converted zoo models with ``torch.autocast("cpu")``.
+
+Under ``Policy.autocast("cpu", d)`` a converted model must compute exactly what the original
+computes under ``torch.autocast("cpu", dtype=d)``: same output dtypes and bits, same parameter
+gradients, same buffer updates, through every capture path. Conversion must also leave the
+user's model untouched, share its parameters, and be idempotent.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import amprewrite
+from amprewrite._convert import amp_passes
+from amprewrite._eliminate_casts import cast_source
+from amprewrite._meta import cast_info
+from amprewrite._runtime import guarded_promote
+
+from _zoo import ZOO, ZooCase
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+PATHS = ("export", "symbolic_static", "symbolic_guarded")
+
+
+def _convert(model: nn.Module, inputs: tuple, dtype: torch.dtype, path: str) -> fx.GraphModule:
+    policy = amprewrite.Policy.autocast("cpu", dtype)
+    if path == "export":
+        return amprewrite.convert(model, inputs, policy=policy, capture="export")
+    if path == "symbolic_static":
+        return amprewrite.convert(model, inputs, policy=policy, capture="symbolic")
+    return amprewrite.convert(model, policy=policy, capture="symbolic")
+
+
+def _flat(out: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def _backward(outputs: list[torch.Tensor]) -> None:
+    """Backpropagate fixed pseudo-random output gradients (the same for both runs)."""
+    g = torch.Generator().manual_seed(7)
+    pairs = [(o, torch.randn(o.shape, generator=g).to(o.dtype)) for o in outputs
+             if o.requires_grad]
+    torch.autograd.backward([o for o, _ in pairs], [d for _, d in pairs])
+
+
+def _run(fn: Any, inputs: tuple) -> list[torch.Tensor]:
+    torch.manual_seed(123)  # dropout draws the same mask in both runs
+    outputs = _flat(fn(*inputs))
+    _backward(outputs)
+    return outputs
+
+
+def _assert_same(kind: str, name: str, got: torch.Tensor | None, want: torch.Tensor | None) -> None:
+    if want is None or got is None:
+        assert got is None and want is None, f"{kind} {name}: one is None ({got}, {want})"
+        return
+    assert got.dtype == want.dtype, f"{kind} {name}: dtype {got.dtype} != autocast {want.dtype}"
+    assert torch.equal(got, want), (
+        f"{kind} {name}: not bitwise equal to autocast, max |diff| "
+        f"{(got.double() - want.double()).abs().max().item()}")
+
+
+def _snapshot(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    return {k: (v, v.detach().clone()) for k, v in model.state_dict(keep_vars=True).items()}
+
+
+# Known gaps, each with its reason (the test still runs and must fail: strict xfail).
+KNOWN_GAPS = {
+    ("composites", "symbolic_guarded"):
+        "without example inputs the composite ops autocast decomposes (einsum, tensordot, "
+        "inner, lstm_cell, gru_cell) cannot be traced into their ATen pieces, so they stay "
+        "whole and compute in fp32 where autocast runs their bmm/mm/linear in low precision",
+}
+
+
+def _parity_cases() -> list[Any]:
+    cases = []
+    for case in ZOO:
+        for dtype in DTYPES:
+            for path in PATHS:
+                gap = KNOWN_GAPS.get((case.name, path))
+                marks = [pytest.mark.xfail(strict=True, reason=gap)] if gap else []
+                cases.append(pytest.param(case, dtype, path, marks=marks,
+                                          id=f"{case.name}-{dtype}-{path}"))
+    return cases
+
+
+@pytest.mark.parametrize("case,dtype,path", _parity_cases())
+def test_bitwise_parity_with_autocast(case: ZooCase, dtype: str, path: str) -> None:
+    low = DTYPES[dtype]
+    model = case.make_model().train(case.train)
+    reference = copy.deepcopy(model)
+    inputs = case.make_inputs()
+    before = _snapshot(model)
+
+    gm = _convert(model, inputs, low, path)
+
+    # The user's model is untouched, and the converted module shares its parameters.
+    after = model.state_dict(keep_vars=True)
+    assert list(after) == list(before)
+    for key, (tensor, values) in before.items():
+        assert after[key] is tensor, f"state_dict entry {key} was replaced"
+        assert after[key].dtype == values.dtype and torch.equal(after[key].detach(), values), key
+    assert model.training == case.train and gm.training == case.train
+    for name, param in model.named_parameters():
+        assert gm.get_parameter(name) is param, f"gm does not share parameter {name}"
+
+    with torch.autocast("cpu", dtype=low):
+        torch.manual_seed(123)
+        want = _flat(reference(*inputs))
+    _backward(want)
+    got = _run(gm, inputs)
+
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        _assert_same("output", str(i), g, w)
+    for name, param in reference.named_parameters():
+        _assert_same("grad of", name, model.get_parameter(name).grad, param.grad)
+    for name, buf in reference.named_buffers():
+        _assert_same("buffer", name, model.get_buffer(name), buf)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("case", ZOO[:4], ids=[c.name for c in ZOO[:4]])
+def test_optimizer_step_on_model_changes_converted_output(case: ZooCase, path: str) -> None:
+    # NB: eval before capture: export bakes dropout's training flag into the graph.
+    model = case.make_model().eval()
+    inputs = case.make_inputs()
+    gm = _convert(model, inputs, torch.bfloat16, path)
+    with torch.no_grad():
+        first = _flat(gm(*inputs))[0].clone()  # fills the inference weight-cast cache
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    with torch.no_grad():
+        cached = _flat(gm(*inputs))[0]
+    assert not torch.equal(first, cached), "a stale weight cast survived an optimizer step"
+    assert torch.equal(cached, _flat(gm(*inputs))[0])  # grad mode agrees with the cache
+
+
+def _casts(gm: fx.GraphModule) -> list[fx.Node]:
+    """Cast nodes: recorded as ours, or recognised by their target (a re-traced graph's
+    casts carry no record)."""
+    return [n for n in gm.graph.nodes if cast_info(n) is not None or cast_source(n) is not None
+            or n.target is guarded_promote]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("case", ZOO, ids=[c.name for c in ZOO])
+def test_idempotent(case: ZooCase, path: str) -> None:
+    model = case.make_model().train(case.train)
+    inputs = case.make_inputs()
+    policy = amprewrite.Policy.autocast("cpu", torch.bfloat16)
+    gm = _convert(model, inputs, torch.bfloat16, path)
+    gm.graph.lint()
+    casts = len(_casts(gm))
+    for p in amp_passes(policy, torch.bfloat16):
+        result = p(gm)
+        assert result is not None and result.modified is False, f"{type(p).__name__} modified"
+    gm.graph.lint()
+    assert len(_casts(gm)) == casts
+    # Converting the converted module again adds no cast.
+    again = _convert(gm, inputs, torch.bfloat16, path)
+    again.graph.lint()
+    assert len(_casts(again)) == casts
+    # Nor does capturing its code afresh, with the same dtype knowledge, where the model
+    # opens no autocast region of its own (such regions live only in the graph's meta).
+    if case.name != "rotary_no_autocast":
+        wrapper = _Wrapper if len(inputs) == 1 else _Wrapper2
+        retraced = _convert(wrapper(gm), inputs, torch.bfloat16, path)
+        assert len(_casts(retraced)) == casts
+        _assert_outputs_equal(retraced, gm, inputs)
+
+
+class _Wrapper(nn.Module):
+    """Hides that a module is converted, so that capture traces its code again."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.train(inner.training)
+
+    def forward(self, x: Any) -> Any:
+        return self.inner(x)
+
+
+class _Wrapper2(_Wrapper):
+    def forward(self, x: Any, y: Any) -> Any:  # type: ignore[override]
+        return self.inner(x, y)
+
+
+def _assert_outputs_equal(a: nn.Module, b: nn.Module, inputs: tuple) -> None:
+    with torch.no_grad():
+        torch.manual_seed(5)
+        got = _flat(a(*inputs))
+        torch.manual_seed(5)
+        for i, (x, y) in enumerate(zip(got, _flat(b(*inputs)))):
+            _assert_same("output", str(i), x, y)

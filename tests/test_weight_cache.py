@@ -1,0 +1,227 @@
+"""Weight casts: none per inference forward (cached copies, refreshed when weights change),
+autograd-tracked casts in training, copies released with the module or on demand."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import amprewrite
+from amprewrite import Policy
+from amprewrite._weight_cache import CACHE_ATTR, WeightCastCache
+
+bf16 = torch.bfloat16
+
+
+class WeightCasts(TorchDispatchMode):
+    """Counts dtype conversions whose source is one of ``weights`` (by storage).
+
+    NB: under inference mode ``x.to(dtype)`` reaches the mode as ``aten.to.dtype``, not yet
+    decomposed into ``_to_copy``."""
+
+    def __init__(self, weights: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.storages = {w.untyped_storage().data_ptr() for w in weights}
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype) and \
+                args[0].untyped_storage().data_ptr() in self.storages:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def weight_casts(model: nn.Module, fn: Callable[[], Any]) -> int:
+    mode = WeightCasts(list(model.parameters()))
+    with mode:
+        fn()
+    return mode.count
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+
+def converted(model: nn.Module, policy: Policy | None = None) -> torch.fx.GraphModule:
+    return amprewrite.convert(model, (torch.randn(3, 8),),
+                              policy=policy or Policy.autocast("cpu", bf16))
+
+
+def autocast_out(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad(), torch.autocast("cpu", bf16):
+        return model(x)
+
+
+def cache_of(gm: nn.Module) -> WeightCastCache:
+    return getattr(gm, CACHE_ATTR)
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_inference_forward_casts_no_weights(context: Callable[[], Any]) -> None:
+    model = mlp()
+    gm = converted(model)
+    x = torch.randn(3, 8)
+    with context():
+        assert weight_casts(model, lambda: gm(x)) == 4  # first forward: copies made
+        assert weight_casts(model, lambda: gm(x)) == 0
+        assert weight_casts(model, lambda: gm(x)) == 0
+        assert torch.equal(gm(x), autocast_out(model, x))
+    assert len(cache_of(gm)) == 4
+
+
+def test_frozen_weights_cached_with_grad_enabled() -> None:
+    model = mlp().requires_grad_(False)
+    gm = converted(model)
+    x = torch.randn(3, 8, requires_grad=True)
+    gm(x)
+    assert weight_casts(model, lambda: gm(x)) == 0
+    out = gm(x)
+    out.float().sum().backward()  # the cached copies may be saved for backward
+    assert x.grad is not None
+
+
+def test_training_casts_stay_in_autograd_graph() -> None:
+    model = mlp()
+    gm = converted(model)
+    x = torch.randn(3, 8)
+    for _ in range(2):  # no caching with grad: one cast per weight per forward
+        assert weight_casts(model, lambda: gm(x).float().square().mean().backward()) == 4
+    assert len(cache_of(gm)) == 0
+    model.zero_grad()
+    with torch.autocast("cpu", bf16):
+        out = model(x)
+    out.float().square().mean().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    gm(x).float().square().mean().backward()
+    for w, p in zip(want, model.parameters()):  # gradients reach the fp32 master weights
+        assert p.grad.dtype == torch.float32
+        assert torch.equal(w, p.grad)
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1),
+    lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=True),
+])
+def test_cache_refreshed_after_optimizer_step(make_opt: Callable[[Any], Any]) -> None:
+    model = mlp()
+    gm = converted(model)
+    x = torch.randn(3, 8)
+    opt = make_opt(model.parameters())
+    with torch.no_grad():
+        before = gm(x)
+    gm(x).float().square().mean().backward()
+    opt.step()
+    with torch.no_grad():
+        assert weight_casts(model, lambda: gm(x)) == 4  # every weight changed: all recast
+        after = gm(x)
+    assert not torch.equal(before, after)
+    assert torch.equal(after, autocast_out(model, x))
+
+
+def test_only_changed_weights_recast() -> None:
+    model = mlp()
+    gm = converted(model)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        gm(x)
+        model[2].bias.add_(1)
+        assert weight_casts(model, lambda: gm(x)) == 1
+        assert torch.equal(gm(x), autocast_out(model, x))
+
+
+def test_cache_refreshed_after_load_state_dict() -> None:
+    model = mlp()
+    gm = converted(model)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        gm(x)
+    torch.manual_seed(1)
+    other = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    model.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        assert torch.equal(gm(x), autocast_out(other, x))
+
+
+def test_cache_refreshed_after_parameter_replaced_or_data_swapped() -> None:
+    model = nn.Sequential(nn.Linear(8, 4))
+    gm = amprewrite.convert(model, capture="symbolic", policy=Policy.autocast("cpu", bf16))
+    x = torch.randn(3, 8)
+    layer = gm.get_submodule("0")  # holds the weights the graph reads
+
+    def reference() -> torch.Tensor:
+        return autocast_out(lambda v: torch.nn.functional.linear(v, layer.weight, layer.bias), x)
+
+    with torch.no_grad():
+        gm(x)
+        old = layer.weight
+        layer.weight = nn.Parameter(torch.randn(4, 8))  # replaced tensor: new identity
+        assert torch.equal(gm(x), reference())
+        layer.bias.data = torch.randn(4)  # same object, new storage, same _version
+        assert torch.equal(gm(x), reference())
+    ref = weakref.ref(old)
+    del old, model  # the user's model shares the replaced weight
+    gc.collect()
+    assert ref() is None
+    assert len(cache_of(gm)) == 2  # the dead weight's copy went with it
+
+
+def test_clear_weight_cache() -> None:
+    model = mlp()
+    gm = converted(model)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        gm(x)
+        assert cache_of(gm).nbytes() > 0
+        assert amprewrite.clear_weight_cache(gm) == 4
+        assert len(cache_of(gm)) == 0
+        # the blind spot clear_weight_cache is for: a write through .data keeps _version
+        model[0].weight.data.copy_(torch.randn(16, 8))
+        amprewrite.clear_weight_cache(gm)
+        assert weight_casts(model, lambda: gm(x)) == 4
+        assert torch.equal(gm(x), autocast_out(model, x))
+    assert amprewrite.clear_weight_cache(nn.Linear(2, 2)) == 0
+    with pytest.raises(TypeError, match="clear_weight_cache"):
+        amprewrite.clear_weight_cache(gm.code)  # type: ignore[arg-type]
+
+
+def test_copies_released_with_module() -> None:
+    gm = converted(mlp())
+    with torch.no_grad():
+        gm(torch.randn(3, 8))
+    copy_ref = weakref.ref(next(iter(cache_of(gm)._entries.values())).copy)
+    cache_ref = weakref.ref(cache_of(gm))
+    del gm
+    gc.collect()
+    assert cache_ref() is None and copy_ref() is None
+
+
+def test_deepcopy_starts_with_empty_cache() -> None:
+    gm = converted(mlp())
+    with torch.no_grad():
+        gm(torch.randn(3, 8))
+    clone = copy.deepcopy(gm)
+    assert len(cache_of(clone)) == 0 and len(cache_of(gm)) == 4
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(clone(x), gm(x))
+
+
+def test_inference_tensor_weights_are_cast_each_time() -> None:
+    with torch.inference_mode():
+        model = mlp()
+    gm = amprewrite.convert(model, capture="symbolic", policy=Policy.autocast("cpu", bf16))
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        gm(x)
+        assert weight_casts(model, lambda: gm(x)) == 4  # no version counter: never cached
+        model[0].weight.add_(1)
+        assert torch.equal(gm(x), autocast_out(model, x))

@@ -1,16 +1,18 @@
 """The recording half of the auditor: a TorchDispatchMode and the pending statistics.
 
 ``_AuditMode.__torch_dispatch__`` runs the op and hands it to :class:`Recorder`, which
-computes a handful of reductions per floating output *on the output's device* and keeps them
-as tensors. Nothing is read back per op (no ``.item()``, ``.tolist()``, ``bool(tensor)``);
-:meth:`Recorder.finish` stacks everything and reads it back with one ``.tolist()`` per device.
+computes a handful of reductions per floating output *on the output's device*
+(:mod:`amprewrite._audit_stats`) and keeps them as tensors. Nothing is read back per op (no
+``.item()``, ``.tolist()``, ``bool(tensor)``); :meth:`Recorder.finish` stacks everything and
+reads it back with one ``.tolist()`` per device.
 
 Per call the raw statistics vector is (``_RAW``): ``max_abs`` (largest finite |x|),
-``min_nz`` (smallest nonzero finite |x|), ``nonfinite`` (inf/NaN count), ``zero`` (zeros,
-non-finite values included), ``over`` (finite |x| > 65504 in a wider dtype, or +-inf in an
-fp16 output), ``small`` (|x| below fp16's smallest normal, zeros included: underflow is
-``small - zero``), and ``in_nonfinite`` (inf/NaN among the op's inputs: an op *produced*
-inf/NaN when its output has some and its inputs none).
+``min_nz`` (smallest nonzero finite |x|), ``nonfinite`` (inf/NaN count), ``zero`` (exact
+zeros), ``over`` (finite |x| > 65504 in a wider dtype, or +-inf in an fp16 output), ``small``
+(|x| below fp16's smallest normal, zeros included: underflow is ``small - zero``),
+``has_nan``, and ``in_nonfinite`` / ``in_nan`` for the op's inputs. An op *produced* inf/NaN
+when its output has some and its inputs none, or when it made NaN from NaN-free inputs (a
+softmax over an all ``-inf`` row: the ``-inf`` were intended, the NaN is the bug).
 
 View and alias ops (``view``, ``t``, ``expand``, ``detach``, …) are not recorded: they compute
 nothing new, and their outputs inherit their input's statistics.
@@ -26,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ._audit_stats import STAT_DTYPE, has_nan, output_stats
 from ._audit_where import Attribution
 from ._grad_hist import accumulate
 
@@ -35,14 +38,17 @@ FP16_MAX = 65504.0
 FP16_TINY = 6.103515625e-05
 """fp16's smallest normal, 2**-14."""
 _INF = float("inf")
-_ACC = torch.float64
-"""Statistics dtype: counts stay exact up to 2**53 elements."""
-_RAW = ("max_abs", "min_nz", "nonfinite", "zero", "over", "small", "in_nonfinite")
+_ACC = STAT_DTYPE
+_RAW = ("max_abs", "min_nz", "nonfinite", "zero", "over", "small", "has_nan", "in_nonfinite",
+        "in_nan")
 _COMPACT_EVERY = 64
 """In aggregate mode, pending vectors of one group are folded into one every this many calls."""
 
 _ALIASING = frozenset({torch.ops.aten._unsafe_view.default, torch.ops.aten.lift_fresh.default})
 """Ops that return their input's values under another shape without being views."""
+_UNINITIALIZED = frozenset(getattr(torch.ops.aten, n) for n in (
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"))
+"""Ops whose output is uninitialized memory: no statistics (they would be garbage)."""
 
 _SHORT = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32",
           torch.float64: "f64"}
@@ -78,105 +84,14 @@ class Group:
     raw: list[torch.Tensor] = dataclasses.field(default_factory=list)
     """Pending statistics vectors, one per call (still on the device)."""
     acc: torch.Tensor | None = None
-    """Aggregate mode: (max_abs, min_nz, nonfinite, zero, over, small, first producer call)."""
-
-
-# Integer views of the floating formats: |x| as an integer (sign bit cleared) orders like |x|,
-# and its top bits are the biased exponent (fp32 and bf16 share fp32's 8-bit exponent).
-# Per format: (int dtype, mantissa bits, abs mask, +inf, largest value <= 65504).
-_INT_VIEW = {torch.float32: (torch.int32, 23, 0x7FFFFFFF, 0x7F800000, 0x477FE000),
-             torch.bfloat16: (torch.int16, 7, 0x7FFF, 0x7F80, 0x477F)}
-_BIAS = 127
-
-
-def exponent_histogram(bits: torch.Tensor, shift: int) -> torch.Tensor:
-    """Counts of the biased exponents (0..255) of the integer magnitudes ``bits``."""
-    exponent = (bits >> shift).flatten()
-    if exponent.device.type == "cpu":
-        return torch.bincount(exponent, minlength=256)
-    # bincount sizes its output from exponent.max(): a host sync on accelerators.
-    hist = torch.zeros(256, dtype=torch.int64, device=exponent.device)
-    return hist.index_add_(0, exponent.long(), torch.ones_like(exponent, dtype=torch.int64))
-
-
-def _output_stats(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(max_abs, min_nz, nonfinite, zero, over, small) of one floating tensor as a float64
-    vector, and its exponent histogram (summed into the gradient histogram).
-
-    Everything is computed on the magnitude bits with integer arithmetic (on CPU several
-    times faster than float compares): one exponent histogram gives the non-finite, small
-    and bf16 overflow counts; shifted/masked integer min and max give the extremes.
-    NB: dtypes other than fp32/bf16/fp16 are measured after conversion to fp32.
-    """
-    x = t if t.dtype in _INT_VIEW else t.float()
-    int_dtype, shift, mask, inf_bits, max16_bits = _INT_VIEW[x.dtype]
-    sign = 31 if int_dtype == torch.int32 else 15
-    bits = x.view(int_dtype) & mask
-    hist = exponent_histogram(bits, shift)
-    counts = hist.to(_ACC) @ _selector(hist.device)  # (non-finite, < 2**-14, >= 2**16)
-    count = torch.count_nonzero
-    if t.dtype == torch.float16:
-        over = t.numel() - count(bits ^ inf_bits)  # values that became inf in fp16
-    elif int_dtype == torch.int32:
-        # (max16 - bits) >> 31 is -1 exactly where bits > max16; inf/NaN are not finite.
-        over = count((max16_bits - bits) >> sign).to(_ACC) - counts[0]
-    else:
-        over = counts[2]  # bf16 has no value between 65504 and 2**16
-    # (bits - inf) & mask puts finite patterns above all non-finite ones (order kept), so
-    # its max is the finite max shifted; (bits - 1) & mask sends 0 to the top for the min.
-    extremes = torch.stack([((bits - inf_bits) & mask).amax(),
-                            ((bits - 1) & mask).amin()]).to(torch.int32)
-    extremes = extremes + _offsets(extremes.device, mask - inf_bits + 1)
-    if int_dtype == torch.int16:
-        extremes = extremes << 16
-    values = extremes.view(torch.float32).to(_ACC)
-    # Marks: no finite value -> max -1; no nonzero value (wrapped to -0.0, or inf/NaN) -> inf.
-    is_min, marks = _marks(values.device)
-    bad = torch.where(is_min, ~(values > 0), ~(values >= 0))
-    values = torch.where(bad, marks, values)
-    zero = t.numel() - count(bits)
-    return torch.cat([values, counts[:1], torch.stack([zero.to(_ACC), over.to(_ACC)]),
-                      counts[1:2]]), hist
-
-
-_SELECT: dict[torch.device, torch.Tensor] = {}
-_OFFSETS: dict[tuple[torch.device, int], torch.Tensor] = {}
-_MARKS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _selector(device: torch.device) -> torch.Tensor:
-    """(256, 3) 0/1 matrix: exponent histogram -> (non-finite, below fp16's smallest normal
-    2**-14 (zeros included), at least 2**16 and finite)."""
-    sel = _SELECT.get(device)
-    if sel is None:
-        sel = torch.zeros(256, 3, dtype=_ACC)
-        sel[255, 0] = 1
-        sel[:_BIAS - 14, 1] = 1
-        sel[_BIAS + 16:255, 2] = 1
-        sel = _SELECT[device] = sel.to(device)
-    return sel
-
-
-def _offsets(device: torch.device, rotation: int) -> torch.Tensor:
-    off = _OFFSETS.get((device, rotation))
-    if off is None:
-        off = _OFFSETS[(device, rotation)] = torch.tensor([-rotation, 1], dtype=torch.int32,
-                                                          device=device)
-    return off
-
-
-def _marks(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    pair = _MARKS.get(device)
-    if pair is None:
-        pair = _MARKS[device] = (torch.tensor([False, True], device=device),
-                                 torch.tensor([-1.0, _INF], dtype=_ACC, device=device))
-    return pair
+    """Aggregate mode: (max_abs, ..., has_nan, first producer call)."""
 
 
 def _combine(vecs: list[torch.Tensor]) -> torch.Tensor:
     """Statistics of several outputs of one op as one vector."""
     s = torch.stack(vecs)
-    return torch.cat([s[:, 0].amax().reshape(1), s[:, 1].amin().reshape(1), s[:, 2:].sum(0)])
+    return torch.cat([s[:, 0].amax().reshape(1), s[:, 1].amin().reshape(1), s[:, 2:6].sum(0),
+                      s[:, 6].amax().reshape(1)])
 
 
 class Recorder:
@@ -202,25 +117,35 @@ class Recorder:
         else:
             phase, ctx, grad_name = "backward", self.where.backward_context(grad_fn), \
                 grad_fn.name()
-        if func.is_view or func in _ALIASING or not outs:
-            if inputs:  # aliases see the same values
+        # aten.to may alias, but it converts when the dtypes differ.
+        converts = bool(inputs and outs) and outs[0].dtype != inputs[0].dtype
+        if (func.is_view or func in _ALIASING) and not converts or not outs:
+            if inputs:  # aliases compute nothing and see their input's values
                 entry = self._input_entry(inputs[0])
                 for t in outs:
-                    self._nonfinite[t] = (t._version, entry[1])
+                    self._nonfinite[t] = (_version(t), entry[1], entry[2])
             return
         if any(_is_fake(t) for t in outs):
             return
-        floating = [t for t in outs if t.is_floating_point() and t.numel()]
+        floating = [t for t in outs
+                    if t.is_floating_point() and t.numel() and t.layout == torch.strided]
         op = func._overloadpacket.__name__
         first = floating[0] if floating else outs[0]
-        cast = ctx.cast_node or (op == "_to_copy" and bool(inputs)
-                                 and inputs[0].dtype != first.dtype)
+        cast = ctx.cast_node or (op in ("_to_copy", "to") and converts)
         meta = CallMeta(op, ctx.node, ctx.module, phase,
                         tuple(dtype_name(t.dtype) for t in inputs), dtype_name(first.dtype),
                         tuple(first.shape), cast, grad_name)
         # Inputs first: an in-place op's output is its input, whose old statistics count.
         in_entries = [self._input_entry(t, outs) for t in inputs]
-        vec = self._stats(floating, in_entries, phase, cast)
+        if func._overloadpacket in _UNINITIALIZED:
+            floating = []
+            for t in outs:
+                zero = torch.zeros((), dtype=_ACC, device=t.device)
+                self._nonfinite[t] = (_version(t), zero, zero)
+        # NB: an op without floating inputs (full, scalar_tensor, arange) that makes inf
+        # does so on purpose (attention masks): it is a source, never blamed as a producer.
+        constant = not any(t.is_floating_point() or t.is_complex() for t in inputs)
+        vec = self._stats(floating, in_entries, phase, cast, constant)
         group = self._group(meta)
         group.count += 1
         group.flops += _flops(func, args, kwargs, out)
@@ -230,8 +155,8 @@ class Recorder:
             if self.aggregate:
                 # Slot 6 becomes "this call's index if it produced inf/NaN, else inf", so that
                 # folding needs no host values (kernels with scalar arguments only).
-                producer = (vec[2] > 0) & (vec[6] == 0)
-                vec = torch.cat([vec[:6], torch.where(producer, float(self.calls), _INF)
+                producer = ((vec[2] > 0) & (vec[7] == 0)) | ((vec[6] > 0) & (vec[8] == 0))
+                vec = torch.cat([vec[:7], torch.where(producer, float(self.calls), _INF)
                                  .reshape(1).to(vec.dtype)])
             group.raw.append(vec)
             if self.aggregate and len(group.raw) >= _COMPACT_EVERY:
@@ -239,42 +164,49 @@ class Recorder:
         self.calls += 1
 
     def _stats(self, floating: list[torch.Tensor], in_entries: list[tuple], phase: str,
-               cast: bool) -> torch.Tensor | None:
+               cast: bool, constant: bool) -> torch.Tensor | None:
         if not floating:
             return None
         vecs = []
         for t in floating:
-            vec, hist = _output_stats(t)
+            vec, hist = output_stats(t)
             vecs.append(vec)
-            self._nonfinite[t] = (t._version, vec[2])
+            self._nonfinite[t] = (_version(t), vec[2], vec[6])
             if phase == "backward" and not cast:
                 device = t.device
                 self.grad_hist[device] = accumulate(self.grad_hist.get(device), hist, vec[3])
                 old = self.grad_max.get(device)
                 self.grad_max[device] = vec[0] if old is None else torch.maximum(old, vec[0])
         out = vecs[0] if len(vecs) == 1 else _combine(vecs)
-        counts = [e[1] for e in in_entries]
-        total = counts[0] if len(counts) == 1 else (
-            torch.stack([c.to(out.device) for c in counts]).sum() if counts
-            else out.new_zeros(()))
-        return torch.cat([out, total.to(out.device).reshape(1)])
+        if constant:  # counts as "inputs had inf": never an inf producer
+            inputs = torch.stack([out.new_ones(()), out.new_zeros(())])
+        elif len(in_entries) == 1:
+            inputs = torch.stack(in_entries[0][1:])
+        else:
+            inputs = torch.stack([torch.stack(e[1:]).to(out.device)
+                                  for e in in_entries]).sum(0)
+        return torch.cat([out, inputs.to(out.device)])
 
     def _input_entry(self, t: torch.Tensor, outs: list[torch.Tensor] = ()
-                     ) -> tuple[int, torch.Tensor]:
-        """(version, non-finite count) of an input, computed now if it was not produced under
-        the audit (parameters, user inputs) or was modified in place since.
+                     ) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(version, non-finite count, has NaN) of an input, computed now if it was not
+        produced under the audit (parameters, user inputs) or was modified in place since.
 
         NB: a view shares its base's entry, so a slice of a tensor with inf elsewhere counts
         as non-finite: an op is then not blamed, never wrongly blamed."""
         entry = self._nonfinite.get(t)
         if entry is not None and any(o is t for o in outs):
             return entry  # modified in place by this very op: its values before the op
-        if entry is None or entry[0] != t._version:
-            if t.is_floating_point() or t.is_complex():
+        if entry is None or entry[0] != _version(t):
+            if t.is_floating_point():
                 count = torch.count_nonzero(t - t).to(_ACC)  # x - x is NaN only for inf/NaN
+                nan = has_nan(t).to(_ACC)
+            elif t.is_complex():
+                count = torch.count_nonzero(t - t).to(_ACC)
+                nan = torch.isnan(t).any().to(_ACC)
             else:
-                count = torch.zeros((), dtype=_ACC, device=t.device)
-            entry = (t._version, count)
+                count = nan = torch.zeros((), dtype=_ACC, device=t.device)
+            entry = (_version(t), count, nan)
             if not _is_fake(t):
                 self._nonfinite[t] = entry
         return entry
@@ -311,7 +243,7 @@ class Recorder:
             if h is not None:
                 parts += [h.to(_ACC), self.grad_max[device].reshape(1).to(_ACC)]
             flat = torch.cat(parts).tolist()  # the one host sync for this device
-            width = len(_RAW)
+            width = len(_RAW) - (1 if self.aggregate else 0)
             for k, i in enumerate(index):
                 values[i] = flat[k * width:(k + 1) * width]
             if h is not None:
@@ -337,11 +269,13 @@ class GroupStats(NamedTuple):
 def _group_stats(group: Group, row: list[float] | None, aggregate: bool) -> GroupStats:
     if row is None:
         return GroupStats(None, None, 0, 0, 0, None)
-    max_abs, min_nz, nonfinite, zero, over, small, last = row
+    max_abs, min_nz, nonfinite, zero, over, small, nan = row[:7]
     if aggregate:
-        producer = None if last == _INF else int(last)
+        producer = None if row[7] == _INF else int(row[7])
     else:
-        producer = group.first_call if nonfinite and not last else None
+        in_nonfinite, in_nan = row[7:]
+        made = (nonfinite and not in_nonfinite) or (nan and not in_nan)
+        producer = group.first_call if made else None
     if max_abs < 0:
         max_abs = None  # no finite value at all
     return GroupStats(max_abs, None if min_nz == _INF else min_nz, int(nonfinite), int(over),
@@ -354,8 +288,14 @@ def fold(group: Group) -> None:
         return
     s = torch.stack(group.raw if group.acc is None else [group.acc] + group.raw)
     group.acc = torch.cat([s[:, 0].amax().reshape(1), s[:, 1].amin().reshape(1),
-                           s[:, 2:6].sum(0), s[:, 6].amin().reshape(1)])
+                           s[:, 2:6].sum(0), s[:, 6].amax().reshape(1),
+                           s[:, 7].amin().reshape(1)])
     group.raw = []
+
+
+def _version(t: torch.Tensor) -> int:
+    # NB: inference tensors have no version counter; in-place changes to them go unseen.
+    return -1 if t.is_inference() else t._version
 
 
 def _is_fake(t: torch.Tensor) -> bool:

@@ -117,7 +117,8 @@ def render(report: "AuditReport", max_rows: int) -> str:
     else:
         rows = [[i, r.phase, r.label, _where(r), r.grad_fn or "", r.nonfinite]
                 for i, r in ((i, records[i]) for i in s["nonfinite_producers"])]
-        parts.append("non-finite producers (inputs finite, output inf/NaN); first: "
+        parts.append("non-finite producers (inf/NaN from finite inputs, or NaN from NaN-free "
+                     "ones); first: "
                      f"{first.label} at {_where(first) or '?'} ({first.phase})\n"
                      + tabulate.tabulate(rows, headers=["#", "phase", "op", "node/module",
                                                         "grad_fn", "nonfinite"]))
@@ -159,7 +160,7 @@ def _ops_table(report: "AuditReport", max_rows: int, tabulate: Any) -> str:
         align.insert(3, "right")
     body = tabulate.tabulate([_row(i, records[i], report.aggregate) for i in index],
                              headers=headers, colalign=align)
-    note = "(* = produced inf/NaN from finite inputs)"
+    note = "(* = produced the inf/NaN, did not only pass it on)"
     if len(index) < len(records):
         note += f"; {len(records) - len(index)} more rows not shown"
     return body + "\n" + note

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -66,6 +67,12 @@ class AmpBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         low = self._low_dtype(example_inputs)
+        ambient = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+        if ambient:
+            warnings.warn(
+                f"amprewrite.backend: torch.autocast({ambient[0]!r}) is active around the "
+                "compiled model, so autocast casts on top of amprewrite's explicit casts. "
+                "Call the compiled model outside torch.autocast.", stacklevel=2)
         _adopt_example_values(gm)
         _tag_autocast_regions(gm)
         gm.meta.pop(META_KEY, None)

@@ -206,6 +206,12 @@ def _convert(args: argparse.Namespace, model: nn.Module, inputs: tuple,
 def _run(args: argparse.Namespace, model: nn.Module, inputs: tuple, kwargs: dict) -> Any:
     from ._explain import explain, explain_records
 
+    if args.command in ("demo", "audit") and args.capture == "compile":
+        # NB: torch.compile runs a model eagerly, unconverted, while a dispatch mode (the
+        # auditor's) is active: the audit would describe fp32 ops that never run converted.
+        raise CliError(f"{args.command} cannot use --capture compile: torch.compile skips "
+                       "its compiled graphs under the auditor; use --capture export or "
+                       "symbolic, or 'explain --capture compile' for the decisions")
     # NB: a failed torch.export prints its partial graph; our error message says what matters.
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         converted, code, call = _convert(args, model, inputs, kwargs)

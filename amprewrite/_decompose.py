@@ -27,7 +27,9 @@ composite stays whole and runs in the dtype that reaches it.
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import warnings
 from typing import Any
 
 import torch
@@ -59,7 +61,10 @@ class DecomposeCompositesPass(PassBase):
             if not self._candidate(node):
                 continue
             sub = _trace(node)
-            if sub is None or not any(self._listed(n) for n in sub.graph.nodes):
+            if sub is None:
+                self._warn_if_reaches_listed(node)
+                continue
+            if not any(self._listed(n) for n in sub.graph.nodes):
                 continue
             modified |= _inline(gm, node, sub)
         if modified:
@@ -83,6 +88,19 @@ class DecomposeCompositesPass(PassBase):
                 policy.op_override(key) is not None:
             return False
         return _is_composite(node, key)
+
+    def _warn_if_reaches_listed(self, node: fx.Node) -> None:
+        """A node that cannot be traced on its own fake inputs (an ATen kernel that rejects
+        symbolic sizes, as ``aten.lstm`` does under export's dynamic shapes): trace it on
+        concrete sizes only to tell the user when it stays whole where autocast would not."""
+        sub = _trace(node, concrete=True)
+        listed = sorted({op_key(n) for n in sub.graph.nodes if self._listed(n)}) if sub else []
+        if listed:
+            warnings.warn(
+                f"amprewrite: {node.format_node()} could not be split into its ATen pieces "
+                f"(its kernel rejects symbolic sizes), so it runs whole in the dtype that "
+                f"reaches it; torch.autocast would run its {', '.join(listed)} per the "
+                f"policy. Results may differ from torch.autocast for this op.", stacklevel=2)
 
     def _listed(self, node: fx.Node) -> bool:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
@@ -113,13 +131,20 @@ def _is_composite(node: fx.Node, key: str) -> bool:
     return False
 
 
-def _trace(node: fx.Node) -> fx.GraphModule | None:
-    """The node's op as an ATen graph of its decomposition, or None if it cannot be traced."""
+def _trace(node: fx.Node, concrete: bool = False) -> fx.GraphModule | None:
+    """The node's op as an ATen graph of its decomposition, or None if it cannot be traced.
+
+    ``concrete``: trace on meta tensors of the size hints instead of the fake inputs (the
+    graph is then specialised to those sizes: only fit for inspection)."""
     inputs = node.all_input_nodes
     vals = [a.meta["val"] for a in inputs]
     mode = detect_fake_mode(vals)
     if mode is None:
         return None
+    if concrete:
+        vals = [torch.empty([s if isinstance(s, int) else s.node.hint for s in v.shape],
+                            dtype=v.dtype, device="meta") for v in vals]
+        mode = contextlib.nullcontext()  # type: ignore[assignment]
 
     def run(*xs: Any) -> Any:
         env = dict(zip(inputs, xs))

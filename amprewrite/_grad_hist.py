@@ -126,7 +126,8 @@ class GradHistogram:
         exps = sorted(self.counts)
         total = self.total or 1
         fig, ax = plt.subplots(figsize=(8, 3.5))
-        ax.bar(exps, [self.counts[e] / total for e in exps], width=0.9, color="tab:blue")
+        ax.bar(exps, [self.counts[e] / total for e in exps], width=0.9, align="edge",
+               color="tab:blue")  # bucket e spans [2**e, 2**(e+1))
         for x, label in ((_FP16_FLUSH_EXP, "fp16 smallest subnormal"),
                          (_FP16_NORMAL_EXP, "fp16 smallest normal"), (16, "fp16 max")):
             ax.axvline(x, color="tab:red", linestyle="--", linewidth=1)

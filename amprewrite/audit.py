@@ -45,7 +45,9 @@ class OpRecord:
     ``fp16_overflow`` counts finite values above 65504 in a wider dtype (they would become
     inf in fp16) or infs in an fp16 output, ``fp16_underflow`` counts nonzero values below
     fp16's smallest normal (6.1e-5). ``produced_nonfinite`` is True when this op turned finite
-    inputs into inf/NaN (rather than passing them on).
+    inputs into inf/NaN, or NaN-free inputs into NaN (rather than passing them on). NB: ops
+    without floating inputs (``full``, ``scalar_tensor``) that make inf do it on purpose
+    (attention masks) and are not blamed; a softmax that turns such a row into NaN is.
     """
 
     op: str
@@ -101,6 +103,7 @@ class AuditReport:
 
     records: list[OpRecord] = dataclasses.field(default_factory=list)
     first_nonfinite: OpRecord | None = None
+    """The first op (in execution order) with ``produced_nonfinite``."""
     grad_histogram: GradHistogram | None = None
     aggregate: bool = False
 

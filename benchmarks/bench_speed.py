@@ -46,6 +46,7 @@ class Row:
     phase: str
     ms: dict[str, float]
     vs_autocast: dict[str, float]
+    vs_autocast_min: dict[str, float]
     casts: dict[str, CastCount]
     bitwise: str
 
@@ -54,6 +55,7 @@ class Row:
 class ConvertTime:
     model: str
     export_s: float | None
+    export_dynamic_s: float | None
     convert_s: float | None
     error: str = ""
 
@@ -90,13 +92,19 @@ def _inference(run: Callable[[], Any]) -> Callable[[], Any]:
 def _convert_all(case: Case, args: tuple, device: str, dtype: torch.dtype
                  ) -> tuple[dict[str, nn.Module], ConvertTime]:
     """Both amprewrite conversions, and the time of convert next to torch.export's."""
-    try:
-        start = time.perf_counter()
-        torch.export.export(case.model, args, strict=False)
-        export_s = time.perf_counter() - start
-    except Exception as exc:  # report, keep going: the benchmark covers the other models
-        export_s = None
-        print(f"  torch.export failed on {case.name}: {type(exc).__name__}: {exc}"[:300])
+    from amprewrite._capture import _auto_dynamic_shapes
+
+    export_s: dict[str, float | None] = {}
+    # convert exports with dynamic dimensions where the model allows (slower to trace).
+    for kind, dynamic in (("static", None), ("dynamic", _auto_dynamic_shapes(args, None))):
+        try:
+            start = time.perf_counter()
+            torch.export.export(case.model, args, dynamic_shapes=dynamic, strict=False)
+            export_s[kind] = time.perf_counter() - start
+        except Exception as exc:  # report, keep going: the benchmark covers the other models
+            export_s[kind] = None
+            print(f"  torch.export ({kind}) failed on {case.name}: {type(exc).__name__}: "
+                  f"{exc}"[:300])
     try:
         start = time.perf_counter()
         preset = amprewrite.convert(case.model, args,
@@ -106,9 +114,10 @@ def _convert_all(case: Case, args: tuple, device: str, dtype: torch.dtype
     except Exception as exc:
         message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         print(f"  amprewrite.convert failed on {case.name}: {message}"[:400])
-        return {}, ConvertTime(case.name, export_s, None, message[:160])
+        return {}, ConvertTime(case.name, export_s["static"], export_s["dynamic"], None,
+                               message[:160])
     return {"amp preset": preset, "amp default": default}, \
-        ConvertTime(case.name, export_s, convert_s)
+        ConvertTime(case.name, export_s["static"], export_s["dynamic"], convert_s)
 
 
 def _variant_fns(case: Case, converted: dict[str, nn.Module], args: tuple, device: str,
@@ -148,8 +157,9 @@ def _measure_shape(case: Case, shape: str, converted: dict[str, nn.Module], devi
             casts[name] = count_casts(fn, weights)
         samples = interleaved_samples(fns, rounds, device)
         ratios = {n: paired_ratio(samples["autocast"], s) for n, s in samples.items()}
+        best = {n: min(samples["autocast"]) / min(s) for n, s in samples.items()}
         rows.append(Row(case.name, description, phase,
-                        {n: median(s) * 1e3 for n, s in samples.items()}, ratios, casts,
+                        {n: median(s) * 1e3 for n, s in samples.items()}, ratios, best, casts,
                         bitwise if phase == "inference" else "-"))
         print(f"  {shape:8s} {phase:10s} " + "  ".join(
             f"{n}={median(samples[n]) * 1e3:.2f}ms({ratios[n]:.2f}x)/{casts[n].kernels}c"
@@ -191,7 +201,7 @@ def run(device: str, dtype: torch.dtype, rounds: int, quick: bool, compile_: boo
 def _ratio(row: Row, name: str) -> str:
     if name not in row.ms:
         return "-"
-    return f"{row.vs_autocast[name]:.2f}x"
+    return f"{row.vs_autocast[name]:.2f} ({row.vs_autocast_min[name]:.2f})"
 
 
 def _triple(row: Row, get: Callable[[CastCount], Any]) -> str:
@@ -211,11 +221,14 @@ def tables(rows: list[Row], times: list[ConvertTime]) -> tuple[str, str]:
                  "preset vs ac", "default vs ac", "cast kernels ac/pre/def",
                  "weight casts ac/pre/def", "cast MB ac/pre/def", "preset == ac"],
         tablefmt="github")
+    def seconds(value: float | None) -> str:
+        return f"{value:.2f}" if value is not None else "failed"
+
     convert = tabulate(
-        [[t.model, f"{t.export_s:.2f}" if t.export_s is not None else "failed",
-          f"{t.convert_s:.2f}" if t.convert_s is not None else "failed", t.error or ""]
-         for t in times],
-        headers=["model", "torch.export s", "amprewrite.convert s (incl. export)", "error"],
+        [[t.model, seconds(t.export_s), seconds(t.export_dynamic_s), seconds(t.convert_s),
+          t.error or ""] for t in times],
+        headers=["model", "torch.export s", "torch.export, dynamic dims s",
+                 "amprewrite.convert s (exports with dynamic dims)", "error"],
         tablefmt="github")
     return speed, convert
 
@@ -231,7 +244,9 @@ def _machine(device: str) -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    load = ", load average %.1f (shared machine)" % os.getloadavg()[0] if hasattr(
+        os, "getloadavg") else ""
+    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads{load}"
 
 
 def write_markdown(path: pathlib.Path, command: str, device: str, dtype: str, speed: str,
@@ -245,7 +260,8 @@ def write_markdown(path: pathlib.Path, command: str, device: str, dtype: str, sp
         "",
         "Times are medians of interleaved rounds in one process; `X vs ac` is the median over "
         "rounds of torch.autocast's time divided by X's in the same round (above 1: faster than "
-        "autocast). `preset` is amprewrite with "
+        "autocast), and in parentheses the ratio of the fastest rounds, the steadier estimate "
+        "when other jobs share the machine. `preset` is amprewrite with "
         "`Policy.autocast` (autocast's numerics; `preset == ac` checks the outputs bitwise), "
         "`default` is `Policy()` (CUDA AMP rules, shared activation casts). Cast kernels are "
         "`_to_copy`/`copy_` dtype conversions counted with a dispatch mode in one steady-state "

@@ -78,7 +78,9 @@ def main() -> None:
           f"({first.phase}): {first.nonfinite} inf/NaN values, output {first.out_dtype} "
           f"{list(first.shape)}, inputs {', '.join(first.in_dtypes)}")
     passed_on = sum(1 for r in report.records if r.nonfinite and not r.produced_nonfinite)
-    print(f"{passed_on} later ops only passed inf/NaN on and are not blamed.")
+    others = [f"{r.label} at {r.node}" for r in report.producers if r is not first]
+    print(f"{passed_on} later ops only passed inf/NaN on and are not blamed"
+          + (f"; also producers: {', '.join(others)}" if others else "") + ".")
 
     print("\n== report.table() ==")
     print(report.table(max_rows=12))
@@ -93,9 +95,14 @@ def main() -> None:
             print(f"gradient histogram plot: {path}")
         except ImportError:
             print("(pip install 'amprewrite[plot]' for a PNG of the gradient histogram)")
-    print("\nfix: scale the logits by 1/sqrt(dim), and mask with torch.finfo(x.dtype).min; "
-          "or keep the attention logits in fp32: "
-          "Policy().override(modules={'attn': OpCategory.FP32})")
+    # The fix: scale the logits by 1/sqrt(dim) in the model, or keep the attention in fp32.
+    policy = amprewrite.Policy().override(keep_fp32=["attn"])
+    fixed = amprewrite.convert(model, (x, pad), dtype=torch.float16, policy=policy)
+    with amprewrite.audit() as after:
+        loss = fixed(x, pad).float().pow(2).mean()
+        loss.backward()
+    print(f"\nwith Policy().override(keep_fp32=['attn']): loss {loss.item():.4f}, "
+          f"first inf/NaN producer: {after.first_nonfinite}")
 
 
 if __name__ == "__main__":

@@ -92,6 +92,21 @@ def test_backward_only_overflow_is_found_in_backward_and_attributed():
     assert not mm[0].produced_nonfinite
 
 
+def test_nan_from_a_fully_masked_row_is_blamed_not_the_mask_constant():
+    class MaskedSoftmax(nn.Module):
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            neg = torch.full((), float("-inf"))  # intended -inf: a source, not a fault
+            return torch.where(mask, neg, x).softmax(-1)
+
+    x = torch.randn(2, 3)
+    mask = torch.tensor([[False, True, True], [True, True, True]])  # row 2 fully masked
+    with amprewrite.audit() as report:
+        MaskedSoftmax()(x, mask)
+    assert [(r.op, r.nonfinite, r.produced_nonfinite) for r in report.records] == [
+        ("full", 1, False), ("where", 5, False), ("_softmax", 3, True)]
+    assert report.first_nonfinite is report.records[2]
+
+
 def test_underflow_counts_tiny_activations():
     class Tiny(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -156,6 +171,24 @@ def test_symbolic_capture_without_example_inputs_is_attributed():
     assert [r.node for r in report.records if r.cast][0] == "x_f16"
 
 
+def test_inference_mode_and_no_grad():
+    x = _x()
+    gm = amprewrite.convert(Net(), (x,), dtype=torch.bfloat16)
+    with amprewrite.audit() as report:
+        with torch.inference_mode():
+            gm(x)
+    # Under inference_mode aten.to is not decomposed into _to_copy: still a cast row.
+    assert [(r.label, r.node) for r in report.records][:2] == [("cast (to)", "x_bf16"),
+                                                               ("cast (_to_copy)",
+                                                                "fc1_weight_bf16")]
+    with amprewrite.audit() as report:
+        with torch.no_grad():
+            gm(x)
+    # The weight casts were cached by the inference forward: only x is cast.
+    assert [r.node for r in report.records if r.cast] == ["x_bf16"]
+    assert all(r.phase == "forward" for r in report.records)
+
+
 def test_eager_autocast_model_is_audited_with_module_paths():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 2)))
     with amprewrite.audit() as report:
@@ -177,6 +210,8 @@ def test_eager_autocast_model_is_audited_with_module_paths():
 def test_no_host_sync_per_op(monkeypatch):
     """Statistics stay tensors until exit, then one ``.tolist()`` reads them (CPU: one
     device). Counted through the Python entry points of every host read."""
+    x = _x()
+    gm = amprewrite.convert(Net(), (x,), dtype=torch.float16)
     calls = {"tolist": 0, "item": 0, "bool": 0, "float": 0, "int": 0}
     for name, attr in (("tolist", "tolist"), ("item", "item"), ("bool", "__bool__"),
                        ("float", "__float__"), ("int", "__int__")):
@@ -187,8 +222,6 @@ def test_no_host_sync_per_op(monkeypatch):
             return _original(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, attr, counted)
-    x = _x()
-    gm = amprewrite.convert(Net(), (x,), dtype=torch.float16)
     session = amprewrite.audit()
     with session as report:
         for _ in range(3):
@@ -196,7 +229,7 @@ def test_no_host_sync_per_op(monkeypatch):
         assert calls == {k: 0 for k in calls}
         pending = [v for g in session._recorder.groups for v in g.raw]
         assert len(pending) == len(session._recorder.groups) > 50
-        assert all(isinstance(v, torch.Tensor) and v.shape == (7,) for v in pending)
+        assert all(isinstance(v, torch.Tensor) and v.shape == (9,) for v in pending)
         assert report.records == []  # nothing read yet
     assert calls == {"tolist": 1, "item": 0, "bool": 0, "float": 0, "int": 0}
     assert len(report.records) == len(pending)

@@ -51,7 +51,7 @@ matmul/conv dtype      FLOPs    share
 f16                       16   100.0%
 in fp16/bf16: 100.0% of matmul/conv FLOPs
 
-non-finite producers (inputs finite, output inf/NaN); first: addmm at linear (forward)
+non-finite producers (inf/NaN from finite inputs, or NaN from NaN-free ones); first: addmm at linear (forward)
   #  phase    op     node/module    grad_fn      nonfinite
 ---  -------  -----  -------------  ---------  -----------
   3  forward  addmm  linear                              1
@@ -80,7 +80,7 @@ non-finite producers (inputs finite, output inf/NaN); first: addmm at linear (fo
  11  bac   sum                 linear         fc        f16          f16    1x2             1           1            0          0           0
  12  bac   cast (_to_copy)     fc_bias_f16    fc        f16          f32    2               1           1            0          0           0
  13  bac   cast (_to_copy)     fc_weight_f16  fc        f16          f32    2x2           100         100            0          0           0
-(* = produced inf/NaN from finite inputs)
+(* = produced the inf/NaN, did not only pass it on)
 
 gradient magnitudes (backward op outputs)
   |grad| >=    values    share  in fp16

@@ -172,6 +172,13 @@ def test_explain_a_compiled_model() -> None:
     assert "log_softmax  fp32 (dtype arg)" in text
 
 
+def test_warns_under_an_outer_autocast() -> None:
+    compiled = amprewrite.compile(SelfAutocast(), eager=True)
+    with pytest.warns(UserWarning, match=r"torch.autocast\('cpu'\) is active around"), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled(X)
+
+
 def test_argument_errors() -> None:
     with pytest.raises(ValueError, match="dtype=torch.float64 is not supported"):
         amprewrite.backend(dtype=torch.float64)

@@ -137,6 +137,12 @@ def test_explain_json(project: Path, capsys) -> None:
     assert graph["summary"]["casts_inserted"] == 5
 
 
+def test_audit_refuses_compile_capture(project: Path, capsys) -> None:
+    assert main(["audit", "userfactories:mlp", "--capture", "compile"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "amprewrite: error: audit cannot use --capture compile: torch.compile skips")
+
+
 @pytest.mark.parametrize("target, message", [
     ("userfactories", "target 'userfactories' must look like 'pkg.module:factory' or "
                       "'path/to/file.py:factory'"),
@@ -161,3 +167,12 @@ def test_target_errors(project: Path, capsys, target: str, message: str) -> None
     captured = capsys.readouterr()
     assert captured.err == f"amprewrite: error: {message}\n"
     assert captured.out == ""
+
+
+def test_example_factories_stay_runnable(capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    assert main(["explain", "examples/factories.py:branchy", "--capture", "compile"]) == 0
+    assert "== graph 1 ==" in capsys.readouterr().out
+    assert main(["explain", "examples.factories:mlp", "--json"]) == 0
+    (graph,) = json.loads(capsys.readouterr().out)["explain"]
+    assert graph["summary"]["per_dtype"] == {"bf16": 2, "f32": 2, "passthrough": 1}

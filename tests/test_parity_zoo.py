@@ -203,3 +203,32 @@ def _assert_outputs_equal(a: nn.Module, b: nn.Module, inputs: tuple) -> None:
         torch.manual_seed(5)
         for i, (x, y) in enumerate(zip(got, _flat(b(*inputs)))):
             _assert_same("output", str(i), x, y)
+
+
+# -- composites autocast decomposes ----------------------------------------------------------
+class _Einsum(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, 4, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bij,bjk->bik", x, self.w)
+
+
+@pytest.mark.parametrize("path", PATHS[:2])
+def test_unlisted_composite_is_split_only_where_autocast_splits_it(path: str) -> None:
+    inputs = (torch.randn(2, 3, 4),)
+    cpu = _convert(_Einsum(), inputs, torch.bfloat16, path)  # einsum is not on the CPU list
+    targets = {str(n.target) for n in cpu.graph.nodes if n.op == "call_function"}
+    assert "aten.bmm.default" in targets and not any("einsum" in t for t in targets)
+    cuda = amprewrite.convert(_Einsum(), inputs, policy=amprewrite.Policy(dtype=torch.bfloat16),
+                              capture=path.split("_")[0])  # listed (LOWER) by the CUDA rules
+    assert any("einsum" in str(n.target) for n in cuda.graph.nodes)
+    assert cuda(*inputs).dtype == cpu(*inputs).dtype == torch.bfloat16
+
+
+def test_composite_that_cannot_be_split_warns() -> None:
+    model = nn.LSTM(8, 8, batch_first=True)
+    with pytest.warns(UserWarning, match="could not be split"):
+        amprewrite.convert(model, (torch.randn(2, 5, 8),), capture="export",
+                           policy=amprewrite.Policy.autocast("cpu", torch.bfloat16))

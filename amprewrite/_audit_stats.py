@@ -1,0 +1,122 @@
+"""Per-tensor statistics for the auditor, computed on the tensor's device without host syncs.
+
+For one floating tensor: largest finite |x|, smallest nonzero |x|, and counts of inf/NaN,
+zeros, values that overflow fp16 and values below fp16's smallest normal, plus a histogram
+of binary exponents. All of it is read off the magnitude bits (the float viewed as an
+integer with the sign bit cleared, which orders like |x|) with integer arithmetic: on CPU
+that is several times faster than float compares, and every result is a 0-d or small tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["output_stats", "has_nan", "exponent_histogram", "STAT_DTYPE"]
+
+_INF = float("inf")
+STAT_DTYPE = torch.float64
+"""Statistics dtype: counts stay exact up to 2**53 elements."""
+_ACC = STAT_DTYPE
+
+# Integer views of the floating formats: |x| as an integer (sign bit cleared) orders like |x|,
+# and its top bits are the biased exponent (fp32 and bf16 share fp32's 8-bit exponent).
+# Per format: (int dtype, mantissa bits, abs mask, +inf, largest value <= 65504).
+_INT_VIEW = {torch.float32: (torch.int32, 23, 0x7FFFFFFF, 0x7F800000, 0x477FE000),
+             torch.bfloat16: (torch.int16, 7, 0x7FFF, 0x7F80, 0x477F)}
+_BIAS = 127
+
+
+def exponent_histogram(bits: torch.Tensor, shift: int) -> torch.Tensor:
+    """Counts of the biased exponents (0..255) of the integer magnitudes ``bits``."""
+    exponent = (bits >> shift).flatten()
+    if exponent.device.type == "cpu":
+        return torch.bincount(exponent, minlength=256)
+    # bincount sizes its output from exponent.max(): a host sync on accelerators.
+    hist = torch.zeros(256, dtype=torch.int64, device=exponent.device)
+    return hist.index_add_(0, exponent.long(), torch.ones_like(exponent, dtype=torch.int64))
+
+
+def output_stats(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max_abs, min_nz, nonfinite, zero, over, small, has_nan) of one floating tensor as a
+    float64 vector, and its exponent histogram (summed into the gradient histogram).
+
+    Everything is computed on the magnitude bits with integer arithmetic (on CPU several
+    times faster than float compares): one exponent histogram gives the non-finite, small
+    and bf16 overflow counts; shifted/masked integer min and max give the extremes.
+    NB: dtypes other than fp32/bf16/fp16 are measured after conversion to fp32.
+    """
+    x = t if t.dtype in _INT_VIEW else t.float()
+    int_dtype, shift, mask, inf_bits, max16_bits = _INT_VIEW[x.dtype]
+    sign = 31 if int_dtype == torch.int32 else 15
+    bits = x.view(int_dtype) & mask
+    hist = exponent_histogram(bits, shift)
+    counts = hist.to(_ACC) @ _selector(hist.device)  # (non-finite, < 2**-14, >= 2**16)
+    count = torch.count_nonzero
+    if t.dtype == torch.float16:
+        over = t.numel() - count(bits ^ inf_bits)  # values that became inf in fp16
+    elif int_dtype == torch.int32:
+        # (max16 - bits) >> 31 is -1 exactly where bits > max16; inf/NaN are not finite.
+        over = count((max16_bits - bits) >> sign).to(_ACC) - counts[0]
+    else:
+        over = counts[2]  # bf16 has no value between 65504 and 2**16
+    # (bits - inf) & mask puts finite patterns above all non-finite ones (order kept), so
+    # its max is the finite max shifted; (bits - 1) & mask sends 0 to the top for the min.
+    # NaN patterns are the ones above +inf's.
+    has_nan = bits.amax() > inf_bits
+    extremes = torch.stack([((bits - inf_bits) & mask).amax(),
+                            ((bits - 1) & mask).amin()]).to(torch.int32)
+    extremes = extremes + _offsets(extremes.device, mask - inf_bits + 1)
+    if int_dtype == torch.int16:
+        extremes = extremes << 16
+    values = extremes.view(torch.float32).to(_ACC)
+    # Marks: no finite value -> max -1; no nonzero value (wrapped to -0.0, or inf/NaN) -> inf.
+    is_min, marks = _marks(values.device)
+    bad = torch.where(is_min, ~(values > 0), ~(values >= 0))
+    values = torch.where(bad, marks, values)
+    zero = t.numel() - count(bits)
+    return torch.cat([values, counts[:1], torch.stack([zero.to(_ACC), over.to(_ACC)]),
+                      counts[1:2], has_nan.to(_ACC).reshape(1)]), hist
+
+
+def has_nan(t: torch.Tensor) -> torch.Tensor:
+    """0-d bool: whether floating ``t`` holds a NaN (one integer max, no float compare)."""
+    x = t if t.dtype in _INT_VIEW else t.float()
+    int_dtype, _, mask, inf_bits, _ = _INT_VIEW[x.dtype]
+    return (x.view(int_dtype) & mask).amax() > inf_bits
+
+
+# Constants per device, built there with fill kernels: copying a host tensor to an
+# accelerator would be a host sync.
+_SELECT: dict[torch.device, torch.Tensor] = {}
+_OFFSETS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_MARKS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _selector(device: torch.device) -> torch.Tensor:
+    """(256, 3) 0/1 matrix: exponent histogram -> (non-finite, below fp16's smallest normal
+    2**-14 (zeros included), at least 2**16 and finite)."""
+    sel = _SELECT.get(device)
+    if sel is None:
+        sel = _SELECT[device] = torch.zeros(256, 3, dtype=_ACC, device=device)
+        sel[255, 0] = 1
+        sel[:_BIAS - 14, 1] = 1
+        sel[_BIAS + 16:255, 2] = 1
+    return sel
+
+
+def _offsets(device: torch.device, rotation: int) -> torch.Tensor:
+    off = _OFFSETS.get((device, rotation))
+    if off is None:
+        off = _OFFSETS[(device, rotation)] = torch.ones(2, dtype=torch.int32, device=device)
+        off[0] = -rotation
+    return off
+
+
+def _marks(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    pair = _MARKS.get(device)
+    if pair is None:
+        is_min = torch.arange(2, device=device) == 1
+        marks = torch.full((2,), _INF, dtype=_ACC, device=device)
+        marks[0] = -1.0
+        pair = _MARKS[device] = (is_min, marks)
+    return pair

@@ -50,12 +50,9 @@ _UNINITIALIZED = frozenset(getattr(torch.ops.aten, n) for n in (
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"))
 """Ops whose output is uninitialized memory: no statistics (they would be garbage)."""
 
-_SHORT = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32",
-          torch.float64: "f64"}
-
-
 def dtype_name(dtype: torch.dtype) -> str:
-    return _SHORT.get(dtype) or str(dtype).replace("torch.", "")
+    """``torch.float16`` -> ``"float16"``."""
+    return str(dtype).replace("torch.", "")
 
 
 class CallMeta(NamedTuple):

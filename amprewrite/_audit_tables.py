@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 __all__ = ["summarize", "render"]
 
-_LOW = ("f16", "bf16")
+_LOW = ("float16", "bfloat16")
+_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
 _TOP_RISK = 5
 
 
@@ -53,9 +54,14 @@ def summarize(report: "AuditReport") -> dict[str, Any]:
 def _compute_dtype(r: "OpRecord") -> str:
     # A matmul computes in its floating input dtype (the output may differ: dtype= args).
     for d in r.in_dtypes:
-        if d in ("f16", "bf16", "f32", "f64"):
+        if d in _SHORT:
             return d
     return r.out_dtype or "-"
+
+
+def _short(dtype: str | None) -> str:
+    """Table cells use short dtype names; the data keeps torch's."""
+    return "-" if dtype is None else _SHORT.get(dtype, dtype)
 
 
 def _fmt(x: float | None) -> str:
@@ -70,7 +76,8 @@ def _where(r: "OpRecord") -> str:
 
 def _row(i: int, r: "OpRecord", aggregate: bool) -> list[Any]:
     row = [i, r.phase[:3], r.label, _where(r), r.module if r.node is not None else "",
-           ",".join(r.in_dtypes), r.out_dtype or "-", "x".join(map(str, r.shape)) or "()",
+           ",".join(map(_short, r.in_dtypes)), _short(r.out_dtype),
+           "x".join(map(str, r.shape)) or "()",
            _fmt(r.max_abs), _fmt(r.min_nonzero_abs),
            f"{r.nonfinite}{'*' if r.produced_nonfinite else ''}", r.fp16_overflow,
            r.fp16_underflow]
@@ -101,12 +108,13 @@ def render(report: "AuditReport", max_rows: int) -> str:
 
     dtypes = sorted({d for c in s["ops_per_dtype"].values() for d in c})
     parts.append(tabulate.tabulate(
-        [[d] + [s["ops_per_dtype"].get(p, {}).get(d, 0) for p in ("forward", "backward")]
+        [[_short(d)] + [s["ops_per_dtype"].get(p, {}).get(d, 0) for p in ("forward", "backward")]
          for d in dtypes], headers=["out dtype", "forward ops", "backward ops"]))
 
     fl = s["flops"]
     if fl["total"]:
-        rows = [[d, f"{n:,}", f"{n / fl['total']:.1%}"] for d, n in fl["by_dtype"].items()]
+        rows = [[_short(d), f"{n:,}", f"{n / fl['total']:.1%}"]
+                for d, n in fl["by_dtype"].items()]
         parts.append(tabulate.tabulate(rows, headers=["matmul/conv dtype", "FLOPs", "share"],
                                        colalign=("left", "right", "right"))
                      + f"\nin fp16/bf16: {fl['low_precision_share']:.1%} of matmul/conv FLOPs")
@@ -129,7 +137,7 @@ def render(report: "AuditReport", max_rows: int) -> str:
             r = records[item["record"]]
             bits = item["headroom_bits"]
             room = f"overflowed ({r.fp16_overflow})" if r.fp16_overflow else f"{bits:.1f}"
-            rows.append([item["record"], r.phase, r.label, _where(r), r.out_dtype,
+            rows.append([item["record"], r.phase, r.label, _where(r), _short(r.out_dtype),
                          _fmt(r.max_abs), room])
         parts.append(tabulate.tabulate(rows, headers=["#", "phase", "op", "node/module", "dtype",
                                                       "max finite |x|", "fp16 headroom (bits)"],

@@ -75,6 +75,8 @@ class Attribution:
         self._seq: list[int] = []
         self._ctx: list[Context] = []
         self._module_ctx: dict[str, Context] = {}
+        self._params: dict[int, Context] | None = None
+        self._params_roots = 0
 
     # -- lifetime ------------------------------------------------------------------------
     def start(self) -> None:
@@ -171,7 +173,21 @@ class Attribution:
     def backward_context(self, grad_fn: Any) -> Context:
         """The forward context that created autograd node ``grad_fn``."""
         index = bisect.bisect_right(self._seq, grad_fn._sequence_nr())
-        return self._ctx[index] if index < len(self._ctx) else _NO_CONTEXT
+        if index < len(self._ctx):
+            return self._ctx[index]
+        # AccumulateGrad nodes (no forward op made them) belong to their parameter's module.
+        param = getattr(grad_fn, "variable", None)
+        return self._param_context(param) if isinstance(param, torch.Tensor) else _NO_CONTEXT
+
+    def _param_context(self, param: torch.Tensor) -> Context:
+        if self._params is None or self._params_roots != len(self._names):
+            self._params, self._params_roots = {}, len(self._names)
+            for root_ref, _ in self._names.values():
+                root = root_ref()
+                for name, p in (root.named_parameters() if root is not None else ()):
+                    module = name.rpartition(".")[0]
+                    self._params.setdefault(id(p), Context(None, module, False))
+        return self._params.get(id(param), _NO_CONTEXT)
 
 
 _NO_CONTEXT = Context(None, None, False)

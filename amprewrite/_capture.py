@@ -94,11 +94,27 @@ class _AmpTracer(fx.Tracer):
         cast = WeightCastCache.cast
         autocast_cls.__enter__, autocast_cls.__exit__ = _enter, _exit  # type: ignore[method-assign]
         WeightCastCache.cast = _cast  # type: ignore[method-assign]
+        # NB: fx.Proxy has no in-place operators, so `h += x` would be traced as `h = h + x`:
+        # out of place, it promotes a low-precision h to fp32 where the model keeps h's dtype.
+        for name, fn in _INPLACE_OPERATORS.items():
+            setattr(fx.Proxy, name, _inplace_operator(fn))
         try:
             return super().trace(root, concrete_args)
         finally:
             autocast_cls.__enter__, autocast_cls.__exit__ = enter, exit_  # type: ignore[method-assign]
             WeightCastCache.cast = cast  # type: ignore[method-assign]
+            for name in _INPLACE_OPERATORS:
+                delattr(fx.Proxy, name)
+
+
+_INPLACE_OPERATORS = {"__iadd__": operator.iadd, "__isub__": operator.isub,
+                      "__imul__": operator.imul, "__itruediv__": operator.itruediv}
+
+
+def _inplace_operator(fn: Any) -> Any:
+    def record(self: fx.Proxy, other: Any) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", fn, (self, other), {})
+    return record
 
 
 def capture_symbolic(model: nn.Module) -> fx.GraphModule:

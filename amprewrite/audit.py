@@ -24,8 +24,6 @@ import dataclasses
 import math
 from typing import Any, Iterator
 
-import torch
-
 from ._audit_mode import FP16_MAX, Recorder, _AuditMode
 from ._audit_where import Attribution
 from ._grad_hist import GradHistogram

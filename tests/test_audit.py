@@ -53,7 +53,7 @@ def test_forward_overflow_producer_is_named_and_passers_on_are_not_blamed():
     first = report.first_nonfinite
     assert (first.op, first.node, first.module, first.phase) == ("addmm", "linear", "fc1",
                                                                   "forward")
-    assert (first.nonfinite, first.fp16_overflow, first.out_dtype) == (8, 8, "f16")
+    assert (first.nonfinite, first.fp16_overflow, first.out_dtype) == (8, 8, "float16")
     assert report.producers == [first]
     # gelu, the second matmul and the sum see inf/NaN but only pass it on.
     passers = [r for r in report.records if r.nonfinite and r is not first]
@@ -68,7 +68,7 @@ def test_forward_overflow_in_eager_autocast_model_names_the_module():
         with torch.autocast("cpu", dtype=torch.float16):
             model(x)
     first = report.first_nonfinite
-    assert (first.op, first.node, first.module, first.out_dtype) == ("addmm", None, "fc1", "f16")
+    assert (first.op, first.node, first.module, first.out_dtype) == ("addmm", None, "fc1", "float16")
     assert [r.module for r in report.producers] == ["fc1"]
 
 
@@ -83,7 +83,7 @@ def test_backward_only_overflow_is_found_in_backward_and_attributed():
     first = report.first_nonfinite
     assert (first.phase, first.cast, first.op, first.grad_fn) == (
         "backward", True, "_to_copy", "ToCopyBackward0")
-    assert (first.node, first.in_dtypes, first.out_dtype) == ("log_softmax", ("f32",), "f16")
+    assert (first.node, first.in_dtypes, first.out_dtype) == ("log_softmax", ("float32",), "float16")
     assert first.nonfinite == 6 and first.fp16_overflow == 6
     backward_nodes = {r.node for r in report.records if r.phase == "backward"}
     assert {"linear", "log_softmax"} <= backward_nodes
@@ -116,7 +116,7 @@ def test_underflow_counts_tiny_activations():
     with amprewrite.audit() as report:
         Tiny()(x)
     (mul,) = report.records
-    assert (mul.op, mul.module, mul.out_dtype, mul.shape) == ("mul", "", "f16", (3, 5))
+    assert (mul.op, mul.module, mul.out_dtype, mul.shape) == ("mul", "", "float16", (3, 5))
     assert mul.fp16_underflow == 15 and mul.nonfinite == 0 and mul.fp16_overflow == 0
     assert mul.max_abs == mul.min_nonzero_abs == float(torch.tensor(1e-6, dtype=torch.float16))
 
@@ -196,14 +196,21 @@ def test_eager_autocast_model_is_audited_with_module_paths():
             y = model(_x())
         y.float().sum().backward()
     fwd = [(r.label, r.module, r.out_dtype) for r in report.records if r.phase == "forward"]
-    assert ("addmm", "0", "bf16") in fwd and ("addmm", "2.0", "bf16") in fwd
-    assert ("relu", "1", "bf16") in fwd
+    assert ("addmm", "0", "bfloat16") in fwd and ("addmm", "2.0", "bfloat16") in fwd
+    assert ("relu", "1", "bfloat16") in fwd
     assert sum(1 for r in report.records if r.cast and r.phase == "forward") == 6
     bwd = {(r.op, r.module) for r in report.records if r.phase == "backward"}
     assert ("mm", "2.0") in bwd and ("threshold_backward", "1") in bwd and ("mm", "0") in bwd
+    # A second backward accumulates into .grad: AccumulateGrad's add_ goes to the module.
+    with amprewrite.audit() as report:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(_x())
+        y.float().sum().backward()
+    assert sorted((r.module, r.shape) for r in report.records if r.op == "add_") == [
+        ("0", (4,)), ("0", (4, 4)), ("2.0", (2,)), ("2.0", (2, 4))]
     flops = report.summary()["flops"]
     # forward 2*2*4*4 + 2*2*4*2; backward mm: input grad of 2.0 + both weight grads.
-    assert flops["by_dtype"] == {"bf16": 64 + 32 + 32 + 64 + 32}
+    assert flops["by_dtype"] == {"bfloat16": 64 + 32 + 32 + 64 + 32}
     assert flops["low_precision_share"] == 1.0
 
 

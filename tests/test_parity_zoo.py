@@ -9,6 +9,7 @@ user's model untouched, share its parameters, and be idempotent.
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -232,3 +233,42 @@ def test_composite_that_cannot_be_split_warns() -> None:
     with pytest.warns(UserWarning, match="could not be split"):
         amprewrite.convert(model, (torch.randn(2, 5, 8),), capture="export",
                            policy=amprewrite.Policy.autocast("cpu", torch.bfloat16))
+
+
+# -- the make_fx oracle: same ATen ops on the same dtypes --------------------------------------
+def _aten_signature(gm: fx.GraphModule) -> Counter:
+    """(op, input dtypes, output dtype) of every ATen call, counted."""
+    out: Counter = Counter()
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        ins = tuple(a.meta["val"].dtype for a in n.all_input_nodes
+                    if isinstance(a.meta.get("val"), torch.Tensor))
+        val = n.meta.get("val")
+        out[(n.target._opname, ins, val.dtype if isinstance(val, torch.Tensor) else None)] += 1
+    return out
+
+
+# Models whose converted graph, traced to ATen, must match the oracle op for op. (Elsewhere
+# only the order of a cast and a view differs, which the bitwise tests cover.)
+_ORACLE_CASES = [c for c in ZOO if c.name in (
+    "mlp_residual", "conv_bn_eval", "embedding_loss", "float64_buffers", "multi_output",
+    "in_place", "batched_matmul", "rotary_no_autocast")]
+
+
+@pytest.mark.parametrize("path", PATHS[:2])
+@pytest.mark.parametrize("case", _ORACLE_CASES, ids=[c.name for c in _ORACLE_CASES])
+def test_same_aten_ops_and_dtypes_as_make_fx_under_autocast(case: ZooCase, path: str) -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    model = case.make_model().train(case.train)
+    inputs = case.make_inputs()
+
+    def under_autocast(*args: Any) -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(*args)
+
+    oracle = make_fx(under_autocast)(*inputs)  # casts once per use: the cache is off
+    gm = _convert(model, inputs, torch.bfloat16, path)
+    converted = make_fx(lambda *args: gm(*args))(*inputs)
+    assert _aten_signature(converted) == _aten_signature(oracle)

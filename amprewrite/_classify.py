@@ -60,6 +60,11 @@ def _cast_item(node: fx.Node) -> bool:
             and isinstance(node.args[0], fx.Node) and cast_info(node.args[0]) is not None)
 
 
+def _is_export_guard(node: fx.Node) -> bool:
+    """torch.export's input-shape check (``self._guards_fn(x)``): not an op, never cast."""
+    return node.op == "call_module" and node.target == "_guards_fn"
+
+
 class ClassifyPass(PassBase):
     """Attach a Decision to every call node, per ``policy`` with low dtype ``dtype``."""
 
@@ -71,7 +76,8 @@ class ClassifyPass(PassBase):
     def call(self, gm: fx.GraphModule) -> PassResult:
         modified = False
         for node in gm.graph.nodes:
-            if node.op not in _CALLS or cast_info(node) is not None or _cast_item(node):
+            if node.op not in _CALLS or cast_info(node) is not None or _cast_item(node) \
+                    or _is_export_guard(node):
                 continue
             new = self.classify(node)
             old = node.meta.get(META_KEY)

@@ -4,9 +4,9 @@ NB: the HF models get an explicit padding mask. Without one, HF's eager code ski
 after looking at the input's values, which a captured graph cannot do; the two would then
 run different computations.
 
-Five models, each with a *serving* shape (small batch, where re-casting weights on every
-forward is a large part of the cost) and a *large* shape (more tokens per weight, where it is
-not). Weights are random and nothing is downloaded. Dropout is 0 and every model is put in
+Five models, each with three input shapes: a *single* request and a small *serving* batch
+(where re-casting weights on every forward is a large part of the cost), and a *large* batch
+(more tokens per weight, where it is not). ``--quick`` keeps the first two. Weights are random and nothing is downloaded. Dropout is 0 and every model is put in
 ``eval()``, so that all variants compute the same function in forward and backward.
 """
 
@@ -151,27 +151,28 @@ def _padded(batch: int, seq: int, vocab: int, device: str) -> tuple[torch.Tensor
 
 
 def build_cases(device: str, quick: bool) -> list[Case]:
-    """The models on ``device`` with their serving and large input shapes."""
+    """The models on ``device`` with their single-request, serving and large input shapes."""
     torch.manual_seed(0)
     cases: list[Case] = []
 
     def add(name: str, model: nn.Module, make: Callable[[int, int], tuple],
-            serving: tuple[int, int], large: tuple[int, int], unit: str) -> None:
+            shapes: tuple[tuple[int, int], ...], unit: str) -> None:
         model = model.to(device).eval()
-        shapes = {"serving": (make(*serving), f"{serving[0]}x{serving[1]} {unit}")}
-        if not quick:
-            shapes["large"] = (make(*large), f"{large[0]}x{large[1]} {unit}")
-        cases.append(Case(name, model, shapes))
+        labels = ("single", "serving", "large")
+        chosen = list(zip(labels, shapes))[:2 if quick else 3]
+        cases.append(Case(name, model, {label: (make(*shape), f"{shape[0]}x{shape[1]} {unit}")
+                                        for label, shape in chosen}))
 
     add("MLP 4x1024", MLP(), lambda b, _: (torch.randn(b, 512, device=device),),
-        (4, 512), (256, 512), "feat")
+        ((1, 512), (4, 512), (256, 512)), "feat")
     add("CNN (ResNet-ish, 64ch)", CNN(),
-        lambda b, s: (torch.randn(b, 3, s, s, device=device),), (2, 32), (16, 32), "img")
+        lambda b, s: (torch.randn(b, 3, s, s, device=device),), ((1, 32), (2, 32), (16, 32)),
+        "img")
     add("GPT stack 4L d256", GPT(), lambda b, s: _ids(b, s, 4096, device),
-        (2, 64), (8, 64), "tok")
+        ((1, 32), (2, 64), (8, 64)), "tok")
     for kind, label in (("bert", "HF BertModel 4L d256"), ("gpt2", "HF GPT2Model 4L d256")):
-        add(label, _hf(kind), lambda b, s: _padded(b, s, 8192, device), (2, 64), (8, 64),
-            "tok")
+        add(label, _hf(kind), lambda b, s: _padded(b, s, 8192, device),
+            ((1, 32), (2, 64), (8, 64)), "tok")
     return cases
 
 

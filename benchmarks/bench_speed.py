@@ -266,8 +266,9 @@ def write_markdown(path: pathlib.Path, command: str, device: str, dtype: str, sp
         "`default` is `Policy()` (CUDA AMP rules, shared activation casts). Cast kernels are "
         "`_to_copy`/`copy_` dtype conversions counted with a dispatch mode in one steady-state "
         "forward (inference, `no_grad`) or training step (forward + backward, loss outside "
-        "autocast); cast MB = bytes read + written by them. Serving shapes are small batches "
-        "(batch x features, images or tokens); `large` rows are there for honesty. Models are in "
+        "autocast); cast MB = bytes read + written by them. Each model runs a single request, a "
+        "small serving batch (batch x features, images or tokens) and, for honesty, a larger "
+        "batch. Models are in "
         "`eval()` with dropout 0; weights random.",
         "",
         speed,
@@ -291,7 +292,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="default: bf16 on cpu, fp16 on cuda")
     parser.add_argument("--compile", action="store_true",
                         help="wrap every variant in torch.compile")
-    parser.add_argument("--quick", action="store_true", help="serving shapes, 5 rounds")
+    parser.add_argument("--quick", action="store_true",
+                        help="single-request and serving shapes only, 5 rounds")
     parser.add_argument("--rounds", type=int, default=None, help="default 25 (quick: 5)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's own choice)")

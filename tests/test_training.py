@@ -28,13 +28,7 @@ from amprewrite._low_copies import LOW_COPIES_ATTR
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: one thread is faster and keeps runs deterministic on a busy machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Net(nn.Module):

@@ -143,10 +143,10 @@ def _ids(batch: int, seq: int, vocab: int, device: str) -> tuple[torch.Tensor]:
 
 
 def _padded(batch: int, seq: int, vocab: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and an attention mask where every other sequence has a padded tail (a
-    serving batch of unequal lengths)."""
+    """Token ids and an attention mask where every other sequence, the first included, has a
+    padded tail (requests of unequal lengths, or one request padded to a length bucket)."""
     mask = torch.ones(batch, seq, dtype=torch.long, device=device)
-    mask[1::2, seq - seq // 4:] = 0
+    mask[::2, seq - seq // 4:] = 0
     return _ids(batch, seq, vocab, device)[0], mask
 
 

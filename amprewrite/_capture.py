@@ -180,6 +180,7 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None)
     gm = fx.GraphModule(unlifted, unlifted.graph, class_name=type(model).__name__)
     _inline_autocast_regions(gm)
     _drop_dtype_assertions(gm)
+    _restore_mutated_aliases(gm)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     gm.train(model.training)
@@ -208,6 +209,27 @@ class _CopyingDtypeConversions(torch.overrides.TorchFunctionMode):
                 isinstance(args[0], torch.Tensor) and args[0].dtype == dtype:
             return torch.ops.aten._to_copy.default(args[0], dtype=dtype)
         return func(*args, **kwargs)
+
+
+def _restore_mutated_aliases(gm: fx.GraphModule) -> None:
+    """Undo :class:`_CopyingDtypeConversions` where the copy is written in place.
+
+    ``y = x.float(); y.add_(1)`` on an fp32 ``x`` mutates ``x`` in eager (``y`` *is* ``x``).
+    Such a conversion becomes ``aten.to.dtype`` again, which returns its input itself when
+    the dtypes match at run time, as eager does, and a copy when AMP changed the input's dtype,
+    as eager under autocast does.
+    """
+    from ._eliminate_casts import _mutated
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten._to_copy.default \
+                or set(node.kwargs) != {"dtype"} or len(node.args) != 1:
+            continue
+        source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        dtype = node.kwargs["dtype"]
+        if isinstance(source, torch.Tensor) and source.dtype == dtype and _mutated(node):
+            node.target = torch.ops.aten.to.dtype
+            node.args, node.kwargs = (node.args[0], dtype), {}
 
 
 def _plain_dtype_conversion(args: Any, kwargs: Any) -> torch.dtype | None:

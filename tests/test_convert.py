@@ -286,6 +286,24 @@ def test_autocast_disabled_region_is_honoured(inputs: tuple | None) -> None:
     assert torch.equal(out, expected)
 
 
+class AliasMutation(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 2
+        y = h.float()  # fp32 already: eager returns h itself
+        y.add_(1)  # ... so this writes into h
+        return h + 0
+
+
+@pytest.mark.parametrize("capture", ["symbolic", "export"])
+def test_mutating_a_same_dtype_conversion_mutates_its_input(capture: str) -> None:
+    x = torch.randn(3)
+    gm = amprewrite.convert(AliasMutation(), (x,), policy=Policy.autocast("cpu"), capture=capture)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = AliasMutation()(x)
+    assert torch.equal(gm(x), expected)
+    assert torch.equal(expected, x * 2 + 1)
+
+
 # -- idempotence -------------------------------------------------------------------------------
 @pytest.mark.parametrize("inputs", [None, (torch.randn(2, 8),)])
 def test_converting_twice_inserts_nothing(inputs: tuple | None) -> None:

@@ -56,7 +56,7 @@ class _AmpTracer(fx.Tracer):
         self.leaf_types = tuple(t for t, _ in module_op_names())
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, self.leaf_types) or isinstance(m, fx.GraphModule) and False
+        return isinstance(m, self.leaf_types)
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         node = super().create_node(*args, **kwargs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import fnmatch
 from typing import Any
 
 import torch
@@ -11,7 +13,7 @@ from torch.fx.passes.infra.pass_manager import PassManager
 
 from ._capture import (capture_converted, capture_export, capture_symbolic, is_converted,
                        propagate_meta)
-from ._classify import ClassifyPass
+from ._classify import ClassifyPass, module_paths
 from ._decompose import DecomposeCompositesPass
 from ._errors import AmpRewriteError
 from ._eliminate_casts import EliminateCastsPass, _report
@@ -113,7 +115,7 @@ def convert(
     gm.meta.pop(META_KEY, None)
     if opt_level != "O1":
         return apply_opt_level(gm, model, opt_level, low)
-    _check_node_overrides(gm, policy)
+    _check_override_names(gm, policy)
     run_passes(gm, policy, low)
     return gm
 
@@ -138,30 +140,25 @@ def run_passes(gm: fx.GraphModule, policy: Policy, dtype: torch.dtype) -> fx.Gra
     return gm
 
 
-def _check_node_overrides(gm: fx.GraphModule, policy: Policy) -> None:
-    import difflib
-
+def _check_override_names(gm: fx.GraphModule, policy: Policy) -> None:
+    """Node and module overrides must name something in this capture (with near matches)."""
     names = {n.name for n in gm.graph.nodes}
-    unknown = [k for k, _ in policy.node_overrides if k not in names]
-    if unknown:
-        raise ValueError(
-            "Policy node overrides name nodes that are not in the captured graph: "
-            + "; ".join(f"{k!r} (near: {', '.join(difflib.get_close_matches(k, names, 3)) or '-'})"
-                        for k in unknown)
-            + ". Node names come from amprewrite.explain(gm) of this capture path.")
-    modules = {q for q, _ in gm.named_modules()}
-    import fnmatch
+    _fail_unmatched("node overrides name nodes that are not in the captured graph",
+                    [k for k, _ in policy.node_overrides if k not in names], names,
+                    "Node names come from amprewrite.explain(gm) of this capture path.")
+    paths = {q for q, _ in gm.named_modules() if q}
+    for node in gm.graph.nodes:
+        paths.update(module_paths(node))
+    _fail_unmatched("module overrides match no module of the model",
+                    [p for p, _ in policy.module_overrides
+                     if not any(fnmatch.fnmatchcase(q, p) for q in paths)], paths,
+                    "Use qualified names as in model.named_modules(), globs allowed.")
 
-    all_paths = set(modules)
-    from ._classify import module_paths
 
-    for n in gm.graph.nodes:
-        all_paths.update(module_paths(n))
-    unmatched = [p for p, _ in policy.module_overrides
-                 if not any(fnmatch.fnmatchcase(q, p) for q in all_paths if q)]
+def _fail_unmatched(what: str, unmatched: list[str], known: set[str], fix: str) -> None:
     if unmatched:
         raise ValueError(
-            "Policy module overrides match no module of the model: "
-            + "; ".join(f"{p!r} (near: {', '.join(difflib.get_close_matches(p, all_paths, 3)) or '-'})"
-                        for p in unmatched)
-            + ". Use qualified names as in model.named_modules(), globs allowed.")
+            f"Policy {what}: "
+            + "; ".join(f"{k!r} (near: {', '.join(difflib.get_close_matches(k, known, 3)) or '-'})"
+                        for k in unmatched)
+            + f". {fix}")

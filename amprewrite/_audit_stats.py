@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["output_stats", "has_nan", "exponent_histogram", "STAT_DTYPE"]
+__all__ = ["output_stats", "has_nan", "exponent_histogram", "release_scratch", "STAT_DTYPE"]
 
 _INF = float("inf")
 STAT_DTYPE = torch.float64
@@ -26,9 +26,12 @@ _INT_VIEW = {torch.float32: (torch.int32, 23, 0x7FFFFFFF, 0x7F800000, 0x477FE000
 _BIAS = 127
 
 
-def exponent_histogram(bits: torch.Tensor, shift: int) -> torch.Tensor:
+def exponent_histogram(bits: torch.Tensor, shift: int,
+                       scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Counts of the biased exponents (0..255) of the integer magnitudes ``bits``."""
-    exponent = (bits >> shift).flatten()
+    if scratch is None:
+        scratch = torch.empty_like(bits)
+    exponent = torch.bitwise_right_shift(bits, shift, out=scratch).flatten()
     if exponent.device.type == "cpu":
         return torch.bincount(exponent, minlength=256)
     # bincount sizes its output from exponent.max(): a host sync on accelerators.
@@ -48,23 +51,30 @@ def output_stats(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = t if t.dtype in _INT_VIEW else t.float()
     int_dtype, shift, mask, inf_bits, max16_bits = _INT_VIEW[x.dtype]
     sign = 31 if int_dtype == torch.int32 else 15
-    bits = x.view(int_dtype) & mask
-    hist = exponent_histogram(bits, shift)
+    # NB: every elementwise step writes into one of two buffers reused across calls (stream
+    # order keeps that safe on accelerators): a fresh temporary per step cost more than the
+    # arithmetic itself on large fp32 tensors.
+    bits, tmp = _scratch(x.shape, int_dtype, x.device)
+    torch.bitwise_and(x.view(int_dtype), mask, out=bits)
+    hist = exponent_histogram(bits, shift, tmp)
     counts = hist.to(_ACC) @ _selector(hist.device)  # (non-finite, < 2**-14, >= 2**16)
     count = torch.count_nonzero
     if t.dtype == torch.float16:
-        over = t.numel() - count(bits ^ inf_bits)  # values that became inf in fp16
+        # values that became inf in fp16
+        over = t.numel() - count(torch.bitwise_xor(bits, inf_bits, out=tmp))
     elif int_dtype == torch.int32:
         # (max16 - bits) >> 31 is -1 exactly where bits > max16; inf/NaN are not finite.
-        over = count((max16_bits - bits) >> sign).to(_ACC) - counts[0]
+        torch.sub(max16_bits, bits, out=tmp).bitwise_right_shift_(sign)
+        over = count(tmp).to(_ACC) - counts[0]
     else:
         over = counts[2]  # bf16 has no value between 65504 and 2**16
     # (bits - inf) & mask puts finite patterns above all non-finite ones (order kept), so
     # its max is the finite max shifted; (bits - 1) & mask sends 0 to the top for the min.
     # NaN patterns are the ones above +inf's.
     has_nan = bits.amax() > inf_bits
-    extremes = torch.stack([((bits - inf_bits) & mask).amax(),
-                            ((bits - 1) & mask).amin()]).to(torch.int32)
+    finite_max = torch.sub(bits, inf_bits, out=tmp).bitwise_and_(mask).amax()
+    nonzero_min = torch.sub(bits, 1, out=tmp).bitwise_and_(mask).amin()
+    extremes = torch.stack([finite_max, nonzero_min]).to(torch.int32)
     extremes = extremes + _offsets(extremes.device, mask - inf_bits + 1)
     if int_dtype == torch.int16:
         extremes = extremes << 16
@@ -83,6 +93,29 @@ def has_nan(t: torch.Tensor) -> torch.Tensor:
     x = t if t.dtype in _INT_VIEW else t.float()
     int_dtype, _, mask, inf_bits, _ = _INT_VIEW[x.dtype]
     return (x.view(int_dtype) & mask).amax() > inf_bits
+
+
+_SCRATCH: dict[tuple[torch.Size, torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+_SCRATCH_LIMIT = 8
+
+
+def _scratch(shape: torch.Size, dtype: torch.dtype,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two reusable integer buffers of ``shape`` (a few shapes kept, oldest dropped first)."""
+    key = (shape, dtype, device)
+    pair = _SCRATCH.pop(key, None)
+    if pair is None:
+        pair = (torch.empty(shape, dtype=dtype, device=device),
+                torch.empty(shape, dtype=dtype, device=device))
+        if len(_SCRATCH) >= _SCRATCH_LIMIT:
+            _SCRATCH.pop(next(iter(_SCRATCH)))
+    _SCRATCH[key] = pair  # most recently used last
+    return pair
+
+
+def release_scratch() -> None:
+    """Drop the statistics' scratch buffers (called when an audit ends)."""
+    _SCRATCH.clear()
 
 
 # Constants per device, built there with fill kernels: copying a host tensor to an

@@ -25,6 +25,7 @@ import math
 from typing import Any, Iterator
 
 from ._audit_mode import FP16_MAX, Recorder, _AuditMode
+from ._audit_stats import release_scratch
 from ._audit_where import Attribution
 from ._grad_hist import GradHistogram
 
@@ -182,6 +183,7 @@ class _AuditSession:
             self._mode.__exit__(*exc)
         finally:
             self._where.stop()
+            release_scratch()
         self._build()
 
     def _build(self) -> None:

@@ -126,8 +126,9 @@ def main() -> None:
         "gradients included), so it is of the same order in milliseconds for fp32 and bf16 "
         "(the bf16 rows have more ops: the casts); "
         "the ratio is higher for bf16 because this CPU runs bf16 matmuls (avx512_bf16) several "
-        "times faster than fp32 ones. On this shared machine (load average above its 2 cores) "
-        "single timings varied by up to 2x between runs; the ratios by about +-20%.",
+        "times faster than fp32 ones. The largest remaining cost is the exponent histogram "
+        "(torch.bincount, single-threaded on CPU). The machine is shared: single timings vary "
+        "between runs; the ratios, measured side by side, by about +-20%.",
         _END,
     ])
     print(block)

@@ -101,6 +101,8 @@ class Recorder:
         self._keys: dict[CallMeta, Group] = {}
         self._nonfinite: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.calls = 0
+        self.failures: list[str] = []
+        """One line per op call that could not be recorded (the user's step went on)."""
         self.grad_hist: dict[torch.device, torch.Tensor] = {}
         self.grad_max: dict[torch.device, torch.Tensor] = {}
 
@@ -334,5 +336,8 @@ class _AuditMode(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         # Ops called here go to the next mode on the stack, not back to this one.
-        self.recorder.record(func, args, kwargs, out)
+        try:
+            self.recorder.record(func, args, kwargs, out)
+        except Exception as exc:  # noqa: BLE001 -- the audit must never break the user's step
+            self.recorder.failures.append(f"{func}: {type(exc).__name__}: {exc}")
         return out

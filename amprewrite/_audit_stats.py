@@ -90,6 +90,8 @@ def output_stats(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def has_nan(t: torch.Tensor) -> torch.Tensor:
     """0-d bool: whether floating ``t`` holds a NaN (one integer max, no float compare)."""
+    if t.numel() == 0:  # amax of nothing is an error; an empty tensor holds no NaN
+        return torch.zeros((), dtype=torch.bool, device=t.device)
     x = t if t.dtype in _INT_VIEW else t.float()
     int_dtype, _, mask, inf_bits, _ = _INT_VIEW[x.dtype]
     return (x.view(int_dtype) & mask).amax() > inf_bits
@@ -118,8 +120,8 @@ def release_scratch() -> None:
     _SCRATCH.clear()
 
 
-# Constants per device, built there with fill kernels: copying a host tensor to an
-# accelerator would be a host sync.
+# Constants per device, built there with fill kernels on views: copying a host tensor to an
+# accelerator is a host sync, and so is indexed assignment (``t[i] = v`` copies a host scalar).
 _SELECT: dict[torch.device, torch.Tensor] = {}
 _OFFSETS: dict[tuple[torch.device, int], torch.Tensor] = {}
 _MARKS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -131,9 +133,9 @@ def _selector(device: torch.device) -> torch.Tensor:
     sel = _SELECT.get(device)
     if sel is None:
         sel = _SELECT[device] = torch.zeros(256, 3, dtype=_ACC, device=device)
-        sel[255, 0] = 1
-        sel[:_BIAS - 14, 1] = 1
-        sel[_BIAS + 16:255, 2] = 1
+        sel[255:, 0].fill_(1)
+        sel[:_BIAS - 14, 1].fill_(1)
+        sel[_BIAS + 16:255, 2].fill_(1)
     return sel
 
 
@@ -141,7 +143,7 @@ def _offsets(device: torch.device, rotation: int) -> torch.Tensor:
     off = _OFFSETS.get((device, rotation))
     if off is None:
         off = _OFFSETS[(device, rotation)] = torch.ones(2, dtype=torch.int32, device=device)
-        off[0] = -rotation
+        off[:1].fill_(-rotation)
     return off
 
 
@@ -150,6 +152,6 @@ def _marks(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     if pair is None:
         is_min = torch.arange(2, device=device) == 1
         marks = torch.full((2,), _INF, dtype=_ACC, device=device)
-        marks[0] = -1.0
+        marks[:1].fill_(-1.0)
         pair = _MARKS[device] = (is_min, marks)
     return pair

@@ -32,7 +32,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ._capture import REGION_KEY, Region
-from ._convert import resolve_dtype, run_passes
+from ._convert import resolve_dtype
+from ._pipeline import run_passes
 from ._meta import META_KEY
 from ._weight_cache import CACHE_ATTR
 from .policy import Policy, check_low_dtype

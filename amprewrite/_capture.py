@@ -5,8 +5,8 @@
   ``self.training`` (BatchNorm, InstanceNorm, Dropout), which stay ``call_module`` leaves so
   that ``gm.train()`` / ``gm.eval()`` keep working. ``with torch.autocast(...)`` regions that
   the model opens are recorded on the nodes they contain (plain symbolic_trace drops them).
-* ``export``: ``torch.export.export(...).module()``: ATen-level nodes with ``meta["val"]``;
-  ``wrap_with_autocast`` regions are inlined and recorded the same way.
+* ``export``: ``torch.export.export(...).module()``: ATen-level nodes with ``meta["val"]``,
+  traced in the AMP regime (:mod:`amprewrite._export`).
 
 Both return a GraphModule that shares the model's parameters and buffers (the same tensor
 objects: fp32 master weights) and never modifies the model.
@@ -32,12 +32,17 @@ from ._registry import registered_functions
 from ._runtime import RUNTIME_FUNCTIONS
 from ._weight_cache import CACHE_ATTR, WeightCastCache
 
-__all__ = ["Region", "REGION_KEY", "capture_symbolic", "capture_export", "capture_converted",
+__all__ = ["Region", "REGION_KEY", "GRAD_KEY", "capture_symbolic", "capture_converted",
            "is_converted", "propagate_meta"]
 
 REGION_KEY = "amprewrite_autocast"
 """``node.meta[REGION_KEY]``: the innermost ``torch.autocast`` region of the model's own code
 that contains the node (a :class:`Region`); absent outside any region."""
+GRAD_KEY = "amprewrite_grad_enabled"
+"""``node.meta[GRAD_KEY]``: the grad mode (bool) of the innermost ``torch.no_grad()`` /
+``torch.enable_grad()`` region of the model's own code that contains the node; absent outside
+any region. Casts are never shared across such regions: a cast made under ``no_grad`` has no
+gradient for consumers outside."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,157 +159,6 @@ def _unshare_leaf_modules(gm: fx.GraphModule) -> None:
         setattr(parent, attr, clone)
     # Intermediate modules GraphModule created are fresh; the root's flag follows the model's.
     gm.train(gm.training)
-
-
-# ---------------------------------------------------------------------------------------------
-# export
-def capture_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None) -> fx.GraphModule:
-    """Capture with ``torch.export`` (non-strict), with dynamic dimensions where the model
-    allows them, so that the converted module accepts other batch sizes and lengths."""
-    dynamic = _auto_dynamic_shapes(args, kwargs)
-    try:
-        with _CopyingDtypeConversions():
-            try:
-                ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic,
-                                         strict=False)
-            except Exception:
-                ep = torch.export.export(model, args, kwargs, strict=False)
-    except Exception as exc:
-        raise AmpRewriteError(
-            f"torch.export could not capture {type(model).__name__}: {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}\n"
-            "Models with data-dependent control flow or graph breaks convert with "
-            "amprewrite.compile(model) (a torch.compile backend) instead."
-        ) from exc
-    unlifted = ep.module()
-    gm = fx.GraphModule(unlifted, unlifted.graph, class_name=type(model).__name__)
-    _inline_autocast_regions(gm)
-    _drop_dtype_assertions(gm)
-    _restore_mutated_aliases(gm)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    gm.train(model.training)
-    return gm
-
-
-class _CopyingDtypeConversions(torch.overrides.TorchFunctionMode):
-    """Record ``x.float()`` / ``x.to(dtype)`` as ``_to_copy`` even when ``x`` already has
-    that dtype.
-
-    NB: in eager such a call returns ``x`` itself, and export, which follows tensors by
-    identity, would then route every later use of ``x`` through the conversion node. Once AMP
-    gives ``x`` another dtype, those uses would change precision. A copy keeps them apart;
-    EliminateCastsPass removes the copies that stay identities.
-    """
-
-    _METHODS = {torch.Tensor.float: torch.float32, torch.Tensor.half: torch.float16,
-                torch.Tensor.bfloat16: torch.bfloat16, torch.Tensor.double: torch.float64}
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        dtype = self._METHODS.get(func)
-        if dtype is None and func is torch.Tensor.to:
-            dtype = _plain_dtype_conversion(args, kwargs)
-        if dtype is not None and len(args) == (1 if func is not torch.Tensor.to else 2) and \
-                isinstance(args[0], torch.Tensor) and args[0].dtype == dtype:
-            return torch.ops.aten._to_copy.default(args[0], dtype=dtype)
-        return func(*args, **kwargs)
-
-
-def _restore_mutated_aliases(gm: fx.GraphModule) -> None:
-    """Undo :class:`_CopyingDtypeConversions` where the copy is written in place.
-
-    ``y = x.float(); y.add_(1)`` on an fp32 ``x`` mutates ``x`` in eager (``y`` *is* ``x``).
-    Such a conversion becomes ``aten.to.dtype`` again, which returns its input itself when
-    the dtypes match at run time, as eager does, and a copy when AMP changed the input's dtype,
-    as eager under autocast does.
-    """
-    from ._eliminate_casts import _mutated
-
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is not torch.ops.aten._to_copy.default \
-                or set(node.kwargs) != {"dtype"} or len(node.args) != 1:
-            continue
-        source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
-        dtype = node.kwargs["dtype"]
-        if isinstance(source, torch.Tensor) and source.dtype == dtype and _mutated(node):
-            node.target = torch.ops.aten.to.dtype
-            node.args, node.kwargs = (node.args[0], dtype), {}
-
-
-def _plain_dtype_conversion(args: Any, kwargs: Any) -> torch.dtype | None:
-    if len(args) == 2 and isinstance(args[1], torch.dtype) and not kwargs:
-        return args[1]
-    return None
-
-
-def _auto_dynamic_shapes(args: tuple, kwargs: dict[str, Any] | None) -> Any:
-    auto = torch.export.Dim.AUTO
-
-    def spec(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return {i: auto for i in range(x.dim())}
-        if isinstance(x, (list, tuple)):
-            return type(x)(spec(v) for v in x)
-        if isinstance(x, dict):
-            return {k: spec(v) for k, v in x.items()}
-        return None
-
-    if kwargs:
-        return None  # mixing positional and keyword specs: keep shapes static
-    return tuple(spec(a) for a in args)
-
-
-def _drop_dtype_assertions(gm: fx.GraphModule) -> None:
-    """Export records the fp32 dtypes it saw as ``_assert_tensor_metadata`` checks; after
-    conversion those dtypes change by design, so the checks must go."""
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in (
-                torch.ops.aten._assert_tensor_metadata.default,):
-            gm.graph.erase_node(node)
-
-
-def _inline_autocast_regions(gm: fx.GraphModule) -> None:
-    """Replace each ``wrap_with_autocast(device, dtype, enabled, cache, submod, *xs)`` node by
-    the submodule's nodes, each tagged with the region, so that the passes see (and honour)
-    the model's own autocast regions and no autocast is entered at run time."""
-    hop = torch.ops.higher_order.wrap_with_autocast
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not hop:
-            continue
-        device_type, dtype, enabled, _cache, submod_node, *operands = node.args
-        sub = getattr(gm, submod_node.target)
-        _inline_autocast_regions(sub)
-        region = Region(device_type, dtype if enabled else None, bool(enabled))
-        env: dict[fx.Node, Any] = {}
-        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-        env.update(zip(placeholders, operands))
-        outputs: Any = None
-        with gm.graph.inserting_before(node):
-            for sub_node in sub.graph.nodes:
-                if sub_node.op == "placeholder":
-                    continue
-                if sub_node.op == "output":
-                    outputs = fx.node.map_arg(sub_node.args[0], lambda n: env[n])
-                    continue
-                if sub_node.op == "get_attr":
-                    value = getattr(sub, sub_node.target)
-                    name = f"{submod_node.target}_{sub_node.target}"
-                    setattr(gm, name, value)
-                    new = gm.graph.get_attr(name)
-                else:
-                    new = gm.graph.node_copy(sub_node, lambda n: env[n])
-                new.meta = dict(sub_node.meta)
-                new.meta.setdefault(REGION_KEY, region)
-                env[sub_node] = new
-        outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
-        for user in list(node.users):
-            if user.op == "call_function" and user.target is operator.getitem:
-                user.replace_all_uses_with(outs[user.args[1]])
-                gm.graph.erase_node(user)
-        gm.graph.erase_node(node)
-        gm.graph.erase_node(submod_node) if not submod_node.users else None
-        delattr(gm, submod_node.target)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from ._capture import REGION_KEY, Region
+from ._export import GRAD_MODE_FUNCTIONS
 from ._meta import META_KEY, Decision, cast_info
 from ._opkey import is_inplace, op_key, overload_key
 from ._tables import OpCategory
@@ -61,8 +62,10 @@ def _cast_item(node: fx.Node) -> bool:
 
 
 def _is_export_guard(node: fx.Node) -> bool:
-    """torch.export's input-shape check (``self._guards_fn(x)``): not an op, never cast."""
-    return node.op == "call_module" and node.target == "_guards_fn"
+    """torch.export's input-shape check (``self._guards_fn(x)``) and the grad-mode calls of an
+    inlined ``no_grad`` region: not ops of the model, never cast."""
+    return (node.op == "call_module" and node.target == "_guards_fn") or \
+        (node.op == "call_function" and node.target in GRAD_MODE_FUNCTIONS)
 
 
 class ClassifyPass(PassBase):
@@ -122,7 +125,7 @@ class ClassifyPass(PassBase):
                                            "enabled=False) region"
         if is_inplace(node):
             return OpCategory.PASSTHROUGH, "in-place op (never cast)"
-        by_table = policy.table_rule(key, overload_key(node))
+        by_table = policy.table_rule(key, overload_key(node)) or policy.composite_rule(key)
         if by_table is not None:
             return by_table
         return OpCategory.PASSTHROUGH, "not listed"

@@ -4,25 +4,24 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import warnings
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.fx.passes.infra.pass_manager import PassManager
 
-from ._capture import (capture_converted, capture_export, capture_symbolic, is_converted,
-                       propagate_meta)
-from ._classify import ClassifyPass, module_paths
-from ._decompose import DecomposeCompositesPass
+from ._capture import capture_converted, capture_symbolic, is_converted, propagate_meta
+from ._classify import module_paths
 from ._errors import AmpRewriteError
-from ._eliminate_casts import EliminateCastsPass, _report
-from ._insert_casts import InsertCastsPass
-from ._meta import META_KEY, cast_info
+from ._export import Regime, capture_export
+from ._meta import META_KEY
 from ._opt_levels import apply_opt_level, check_opt_level
+from ._pipeline import run_passes
+from ._state import preserved_global_state
 from .policy import Policy, check_low_dtype
 
-__all__ = ["convert", "amp_passes", "resolve_dtype"]
+__all__ = ["convert", "resolve_dtype"]
 
 _CAPTURES = ("auto", "symbolic", "export")
 
@@ -35,12 +34,6 @@ def resolve_dtype(model: nn.Module, policy: Policy, dtype: torch.dtype | None) -
         return policy.dtype
     first = next(iter(model.parameters()), None)
     return torch.float16 if first is not None and first.is_cuda else torch.bfloat16
-
-
-def amp_passes(policy: Policy, dtype: torch.dtype) -> list:
-    """The graph-to-graph steps of a conversion, in order (each is idempotent)."""
-    return [DecomposeCompositesPass(policy), ClassifyPass(policy, dtype),
-            InsertCastsPass(policy, dtype), EliminateCastsPass(policy)]
 
 
 def convert(
@@ -100,18 +93,59 @@ def convert(
         raise ValueError("amprewrite.convert(capture='export') needs example_inputs=(...)")
     check_opt_level(opt_level, policy, dtype)
     low = resolve_dtype(model, policy, dtype)
+    with preserved_global_state():
+        return _capture_and_rewrite(model, example_inputs, example_kwargs, policy, low, capture,
+                                    opt_level)
 
-    has_inputs = example_inputs is not None or example_kwargs is not None
+
+def _capture_and_rewrite(model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None,
+                         policy: Policy, low: torch.dtype, capture: str,
+                         opt_level: str) -> fx.GraphModule:
+    has_inputs = args is not None or kwargs is not None
     if is_converted(model):
         # NB: re-capturing would lose what only the nodes' meta holds (the model's own
         # autocast regions, the decisions), so converting twice could cast more.
-        gm = capture_converted(model)  # type: ignore[arg-type]
-    elif capture == "export" or (capture == "auto" and has_inputs):
-        gm = capture_export(model, example_inputs or (), example_kwargs)
+        return _rewrite(capture_converted(model), model, policy, low, opt_level)  # type: ignore[arg-type]
+    if capture == "export" or (capture == "auto" and has_inputs):
+        return _export_and_rewrite(model, args or (), kwargs, policy, low, opt_level)
+    gm = capture_symbolic(model)
+    if has_inputs:
+        propagate_meta(gm, args or (), kwargs)
+    return _rewrite(gm, model, policy, low, opt_level)
+
+
+def _export_and_rewrite(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
+                        policy: Policy, low: torch.dtype, opt_level: str) -> fx.GraphModule:
+    """Export with dynamic dimensions and rewrite; if either fails under symbolic sizes
+    (some ATen meta kernels reject them), export again with the example's static shapes."""
+    regime = _regime(model, args, kwargs, policy, low, opt_level)
+    faithful = opt_level != "O0"
+    try:
+        gm = capture_export(model, args, kwargs, regime=regime, dynamic=True, faithful=faithful)
+    except AmpRewriteError as exc:
+        dynamic_error: Exception = exc
     else:
-        gm = capture_symbolic(model)
-        if has_inputs:
-            propagate_meta(gm, example_inputs or (), example_kwargs)
+        if not _has_symbolic_shapes(gm):
+            return _rewrite(gm, model, policy, low, opt_level)
+        try:
+            return _rewrite(gm, model, policy, low, opt_level)
+        except (ValueError, TypeError):
+            raise  # the user's input is wrong: shapes have nothing to do with it
+        except Exception as exc:
+            dynamic_error = exc
+    gm = capture_export(model, args, kwargs, regime=regime, dynamic=False, faithful=faithful)
+    gm = _rewrite(gm, model, policy, low, opt_level)
+    warnings.warn(
+        f"amprewrite.convert: {type(model).__name__} could not be converted with dynamic "
+        f"shapes ({type(dynamic_error).__name__}: {str(dynamic_error).splitlines()[0]}); it was "
+        "converted for the example inputs' shapes, so the converted module accepts only "
+        "those shapes. Convert again with example inputs of the shapes you will run.",
+        stacklevel=3)
+    return gm
+
+
+def _rewrite(gm: fx.GraphModule, model: nn.Module, policy: Policy, low: torch.dtype,
+             opt_level: str) -> fx.GraphModule:
     gm.meta.pop(META_KEY, None)
     if opt_level != "O1":
         return apply_opt_level(gm, model, opt_level, low)
@@ -120,24 +154,40 @@ def convert(
     return gm
 
 
-def run_passes(gm: fx.GraphModule, policy: Policy, dtype: torch.dtype) -> fx.GraphModule:
-    """Run the amprewrite passes on a captured GraphModule (in place) and recompile it."""
-    report = _report(gm)
-    try:
-        PassManager(passes=amp_passes(policy, dtype), run_checks_after_each_pass=True)(gm)
-    except Exception as exc:
-        # PassManager wraps every failure in a bare Exception naming the pass; the user
-        # needs our own error (what, where, the fix), which is its cause.
-        if isinstance(exc.__cause__, (AmpRewriteError, ValueError, TypeError)):
-            raise exc.__cause__ from None
-        raise
-    casts = [n for n in gm.graph.nodes if cast_info(n) is not None]
-    report.inserted = len(casts)
-    report.guarded = sum(1 for n in casts if cast_info(n).guarded)
-    gm.meta["amprewrite_policy"] = (policy, dtype)
-    gm.graph.lint()
-    gm.recompile()
-    return gm
+def _regime(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, policy: Policy,
+            low: torch.dtype, opt_level: str) -> Regime | None:
+    """The ``torch.autocast`` to trace the model under, so that the dtypes its Python code
+    reads off tensors are the ones the converted graph computes (see :mod:`._export`)."""
+    if opt_level == "O0":
+        return None
+    device = _device_type(model, args, kwargs)
+    if policy.device_type is not None and policy.device_type != device:
+        return None  # the preset casts nothing on this device
+    if not torch.amp.is_autocast_available(device) or \
+            (device == "cuda" and not torch.cuda.is_available()):
+        return None  # (fake CUDA tensors on a CPU-only build: autocast disables itself)
+    return device, low
+
+
+def _device_type(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None) -> str:
+    """Where the model computes: its first floating parameter's device, else its first
+    tensor input's."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.device.type
+    for leaf in torch.utils._pytree.tree_leaves((args, kwargs or {})):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device.type
+    return "cpu"
+
+
+def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(val, torch.Tensor) and any(
+                isinstance(s, torch.SymInt) for s in val.shape):
+            return True
+    return False
 
 
 def _check_override_names(gm: fx.GraphModule, policy: Policy) -> None:

@@ -28,6 +28,7 @@ composite stays whole and runs in the dtype that reaches it.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import operator
 import warnings
 from typing import Any
@@ -115,10 +116,15 @@ def _tensor_tuple(node: fx.Node) -> bool:
 
 
 def _is_composite(node: fx.Node, key: str) -> bool:
-    """Whether the ATen op behind ``node`` has a CompositeImplicitAutograd kernel."""
+    """Whether the op behind ``node`` is made of other ops: an ATen op with a
+    CompositeImplicitAutograd kernel, or a Python function of torch (``F.normalize``,
+    ``torch.functional.norm``), which reaches ATen only through the ops it calls."""
     cia = torch._C.DispatchKey.CompositeImplicitAutograd
     if isinstance(node.target, torch._ops.OpOverload):
         return node.target.has_kernel_for_dispatch_key(cia)
+    if node.op == "call_function" and inspect.isfunction(node.target) and \
+            (getattr(node.target, "__module__", None) or "").startswith("torch."):
+        return True
     packet = getattr(torch.ops.aten, key, None)
     if not isinstance(packet, torch._ops.OpOverloadPacket):
         return False

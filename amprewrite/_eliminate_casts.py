@@ -9,7 +9,8 @@ Invariants (what this pass may and may not do):
 2. **Duplicates**: casts of one value to one dtype are merged into one, for weights always and
    for activations only when ``policy.share_activation_casts`` (sharing sums the gradients of
    the consumers in low precision; the autocast presets keep autocast's one-cast-per-use).
-   Not when either cast or the value is written in place.
+   Not when either cast or the value is written in place, nor across the model's own
+   ``no_grad`` regions (a cast made there has no gradient for a consumer outside).
 3. **Lossless chains**: ``a → b → c`` where the middle dtype ``b`` holds every value of ``a``
    (fp16→fp32→fp16, bf16→fp32→fp16, fp32→fp64→fp32): replaced by ``a`` itself when
    ``c == a``, else by one cast ``a → c`` (it rounds once, as the chain does). Exact in forward
@@ -45,6 +46,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from ._capture import GRAD_KEY
 from ._meta import META_KEY
 from ._opkey import is_inplace
 from ._runtime import guarded_cast
@@ -72,8 +74,9 @@ def cast_source(node: fx.Node) -> tuple[fx.Node, torch.dtype] | None:
     Recognises our casts and the user's: ``x.to(dtype)``, ``x.float()``/``half()``/
     ``bfloat16()``, ``aten._to_copy(x, dtype=...)``, ``aten.to.dtype(x, dtype)``.
     """
-    if node.op == "call_method" and node.target == "cast" and len(node.args) == 3:
-        return node.args[1], node.args[2]
+    if node.op == "call_method" and node.target in ("cast", "get") and len(node.args) == 3 \
+            and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr":
+        return node.args[1], node.args[2]  # a weight cast, or an O2 low-precision copy
     if node.op == "call_method" and node.target == "to" and len(node.args) == 2 \
             and isinstance(node.args[1], torch.dtype) and not node.kwargs:
         return node.args[0], node.args[1]
@@ -262,7 +265,7 @@ class EliminateCastsPass(PassBase):
             if a == c:
                 node.replace_all_uses_with(a_node)
                 gm.graph.erase_node(node)
-            elif node.op == "call_method" and node.target == "cast":
+            elif node.op == "call_method" and node.target in ("cast", "get"):
                 node.args = (node.args[0], a_node, c)
             else:
                 node.args = (a_node,) + tuple(node.args[1:])
@@ -282,7 +285,7 @@ class EliminateCastsPass(PassBase):
             if not (weight or self.policy.share_activation_casts):
                 continue
             key = (("get_attr", value.target) if weight else value, dtype,
-                   node.target is guarded_cast)
+                   node.target is guarded_cast, node.meta.get(GRAD_KEY))
             first = seen.get(key)
             # A write into either cast, or into the value between them, tells them apart.
             if first is None or _mutated(node, first, value):

@@ -35,7 +35,9 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from ._capture import GRAD_KEY
 from ._errors import AmpRewriteError
+from ._export import GRAD_MODE_FUNCTIONS
 from ._fake import fake_run, same_val
 from ._meta import META_KEY, CastInfo, Decision, cast_info, decision
 from ._runtime import fp32_if_eligible, guarded_cast, guarded_promote
@@ -71,30 +73,39 @@ class InsertCastsPass(PassBase):
         # compute (ops valid only once cast) get it as the walk below reaches them.
         self.static = all("val" in n.meta for n in graph.nodes if n.op == "placeholder") \
             and any("val" in n.meta for n in graph.nodes)
-        self.shared: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
+        self.shared: dict[tuple[Any, torch.dtype, Any], fx.Node] = {}
         for node in graph.nodes:  # reuse casts an earlier run made
             info = cast_info(node)
             if info is not None and not info.guarded:
-                self.shared[(_share_key(self._cast_input(node)), info.dtype)] = node
+                key = (_share_key(self._cast_input(node)), info.dtype, node.meta.get(GRAD_KEY))
+                self.shared[key] = node
         self.changed: set[fx.Node] = set()
         modified = False
         for node in list(graph.nodes):
             rec = decision(node)
             if rec is not None and rec.category is not OpCategory.PASSTHROUGH:
                 modified |= self._rewrite(node, rec)
-            if self.static and node.op.startswith("call") and cast_info(node) is None:
+            if self.static and node.op.startswith("call") and cast_info(node) is None \
+                    and not _stateful(node):
                 self._repropagate(node)
         return PassResult(gm, modified)
 
     def _repropagate(self, node: fx.Node) -> None:
+        """Recompute ``node``'s ``meta["val"]`` from its inputs' (now final) values.
+
+        Every node is recomputed, not only those downstream of a new cast: an export traced
+        in the AMP regime (:mod:`amprewrite._export`) records the dtypes *autocast* gives each
+        op, and the policy may differ from autocast's lists (the default policy's CUDA rules
+        on a CPU model), so a recorded dtype is only a first guess.
+        """
         inputs = node.all_input_nodes
-        missing = "val" not in node.meta
-        if not missing and node not in self.changed and not any(i in self.changed
-                                                                for i in inputs):
-            return
+        missing = node.meta.get("val") is None
+        needed = missing or node in self.changed or any(i in self.changed for i in inputs)
         try:
             new = fake_run(self.gm, node)
         except Exception as exc:
+            if not needed:
+                return  # an op fake tensors cannot run (no meta kernel): keep its record
             if not missing:
                 raise
             raise AmpRewriteError(
@@ -271,7 +282,7 @@ class InsertCastsPass(PassBase):
     def _cast(self, value: fx.Node, dtype: torch.dtype, consumer: fx.Node) -> fx.Node:
         weight = self._is_weight(value)
         share = weight or self.policy.share_activation_casts
-        key = (_share_key(value), dtype)
+        key = (_share_key(value), dtype, consumer.meta.get(GRAD_KEY))
         if share and key in self.shared:
             return self.shared[key]
         graph = consumer.graph
@@ -287,9 +298,9 @@ class InsertCastsPass(PassBase):
                                          (value, dtype, self.policy.device_type), name=name)
         cast.meta[META_KEY] = CastInfo(dtype, guarded=not self.static and not weight,
                                        weight=weight)
-        for key in ("nn_module_stack", "stack_trace"):
-            if key in consumer.meta:
-                cast.meta[key] = consumer.meta[key]
+        for meta_key in ("nn_module_stack", "stack_trace", GRAD_KEY):
+            if meta_key in consumer.meta:
+                cast.meta[meta_key] = consumer.meta[meta_key]
         if self.static:
             source = value.meta.get("val")
             if weight and source is None:
@@ -310,6 +321,14 @@ class InsertCastsPass(PassBase):
             # NB: create_node, not graph.get_attr: the cache is a plain attribute, not a
             # parameter, buffer or submodule, which get_attr would warn about.
             return graph.create_node("get_attr", CACHE_ATTR)
+
+
+def _stateful(node: fx.Node) -> bool:
+    """Calls that compute no tensor and must not run at conversion: the grad-mode calls of an
+    inlined ``no_grad`` region (they would flip the converting process's grad mode) and
+    torch.export's input-shape guard."""
+    return (node.op == "call_function" and node.target in GRAD_MODE_FUNCTIONS) or \
+        (node.op == "call_module" and node.target == "_guards_fn")
 
 
 def _promoted_item(node: fx.Node) -> bool:

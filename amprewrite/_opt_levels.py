@@ -1,19 +1,26 @@
-"""Opt levels O0, O2 and O3 (O1, the per-op policy, is :func:`amprewrite._convert.run_passes`).
+"""Opt levels O0, O2 and O3 (O1, the per-op policy, is :func:`amprewrite._pipeline.run_passes`).
 
 Apex's four levels, as graph rewrites of a captured model:
 
 * ``O0``: fp32, no casts; the captured graph unchanged (the faithful baseline).
 * ``O1``: the per-op policy (autocast's lists).
-* ``O2``: "almost fp16". Floating inputs are cast to the low dtype at the entry, every weight
-  is read as a stored low-precision copy of its fp32 master (:mod:`amprewrite._low_copies`),
-  every op runs in what arrives (low precision), except normalisation layers (BatchNorm,
-  InstanceNorm, LayerNorm, GroupNorm, RMSNorm): their weights stay fp32 and they compute in
-  fp32 (input cast up, output cast back down). Floating outputs are cast to fp32 so that the
-  loss computes in fp32, as Apex does. The fp32 masters stay the module's parameters, shared
-  with the user's model; :class:`amprewrite.MasterWeights` binds them to the optimizer.
+* ``O2``: "almost fp16". Floating inputs are cast to the low dtype at the entry and every
+  parameter is read as a stored low-precision copy of its fp32 master
+  (:mod:`amprewrite._low_copies`); then the same passes as O1 run with the O2 rules
+  (``_tables.O2_TABLE``): ops run in whatever dtype arrives, except the ops that need one dtype
+  for all their floating inputs (matmuls, convolutions, attention), whose inputs are cast to
+  the low dtype, and normalisation ops (batch/instance/layer/group/RMS norm), which compute in
+  fp32 on the fp32 masters of their own weights, their output cast back down. So the graph is
+  type-correct by construction: an fp32 activation the model makes on purpose
+  (``x.float()``, ``pixel_values.to(weight.dtype)`` traced in fp32) meets a low-precision
+  weight only in an op that casts it. Buffers (rotary frequencies, masks, running statistics)
+  keep their dtype. Floating outputs are cast to fp32 so that the loss computes in fp32, as
+  Apex does. The fp32 masters stay the module's parameters, shared with the user's model;
+  :class:`amprewrite.MasterWeights` binds them to the optimizer.
 * ``O3``: pure low precision, no masters: the GraphModule owns low-precision *copies* of the
   parameters and buffers (the user's model keeps its fp32 tensors; nothing calls ``.half()``
-  on it); inputs cast down and outputs up as in O2. The speed baseline.
+  on it); inputs cast down and outputs up as in O2, normalisation in the low dtype too
+  (``_tables.O3_TABLE``). The speed baseline.
 
 After (O2, fp16; ``Linear → LayerNorm → Linear``, symbolic capture with example inputs)::
 
@@ -43,30 +50,25 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from ._meta import CastInfo, META_KEY
+from ._capture import GRAD_KEY
+from ._classify import ClassifyPass
+from ._eliminate_casts import EliminateCastsPass
 from ._low_copies import LOW_COPIES_ATTR, LowPrecisionCopies
-from ._opkey import op_key
+from ._meta import CastInfo, META_KEY
+from ._pipeline import run_passes
 from ._runtime import guarded_cast
+from ._tables import OpCategory
 from .policy import Policy
 
-__all__ = ["OPT_LEVELS", "OPT_LEVEL_KEY", "OptLevel", "NORM_MODULES", "apply_opt_level",
-           "check_opt_level", "opt_level_of"]
+__all__ = ["OPT_LEVELS", "OPT_LEVEL_KEY", "OptLevel", "apply_opt_level", "check_opt_level",
+           "opt_level_of"]
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
 OPT_LEVEL_KEY = "amprewrite_opt_level"
 """``gm.meta[OPT_LEVEL_KEY]``: the :class:`OptLevel` a GraphModule was converted with."""
 
-NORM_MODULES: tuple[type[nn.Module], ...] = (
-    nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.LayerNorm,
-    nn.GroupNorm, nn.RMSNorm)
-_NORM_OPS = frozenset({
-    "batch_norm", "instance_norm", "layer_norm", "group_norm", "rms_norm", "native_layer_norm",
-    "native_group_norm", "native_batch_norm", "_native_batch_norm_legit",
-    "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training"})
 _SHORT = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
@@ -121,7 +123,7 @@ def apply_opt_level(gm: fx.GraphModule, model: nn.Module, level: str,
         gm.meta[OPT_LEVEL_KEY] = OptLevel("O0", None)
         gm.recompile()
         return gm
-    _LowPrecisionRewrite(gm, model, dtype, masters=level == "O2").run()
+    _LowPrecisionRewrite(gm, dtype, masters=level == "O2").run()
     gm.meta[OPT_LEVEL_KEY] = OptLevel(level, dtype)
     gm.graph.lint()
     gm.recompile()
@@ -131,38 +133,28 @@ def apply_opt_level(gm: fx.GraphModule, model: nn.Module, level: str,
 class _LowPrecisionRewrite:
     """The O2 / O3 rewrite of one GraphModule (see the module docstring)."""
 
-    def __init__(self, gm: fx.GraphModule, model: nn.Module, dtype: torch.dtype,
-                 masters: bool) -> None:
-        self.gm, self.model, self.dtype, self.masters = gm, model, dtype, masters
+    def __init__(self, gm: fx.GraphModule, dtype: torch.dtype, masters: bool) -> None:
+        self.gm, self.dtype, self.masters = gm, dtype, masters
         self.graph = gm.graph
-        self.static = all("val" in n.meta for n in gm.graph.nodes
-                          if n.op in ("placeholder", "call_function", "call_method"))
+        self.policy = Policy(preset="O2" if masters else "O3", dtype=dtype)
+        self.static = all("val" in n.meta for n in gm.graph.nodes if n.op == "placeholder") \
+            and any("val" in n.meta for n in gm.graph.nodes)
         self.inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
 
     def run(self) -> None:
-        # With static dtypes each step decides from meta["val"], so the values are
-        # re-propagated after every step that changes dtypes.
         if self.masters:
             setattr(self.gm, LOW_COPIES_ATTR, LowPrecisionCopies())
             self._read_low_copies()
         else:
             self._own_low_copies()
         self._cast_inputs()
-        self._repropagate()
         if self.masters:
-            self._norms_in_fp32()
-            self._repropagate()
+            self._norm_outputs_down()
+        run_passes(self.gm, self.policy, self.dtype, mark_converted=False)
         self._cast_outputs()
-        self._repropagate()
+        EliminateCastsPass(self.policy)(self.gm)
 
     # -- weights ---------------------------------------------------------------------------
-    def _owner(self, qualname: str) -> nn.Module | None:
-        prefix = qualname.rpartition(".")[0]
-        try:
-            return self.model.get_submodule(prefix)
-        except AttributeError:
-            return None
-
     def _attr(self, qualname: str) -> Any:
         obj: Any = self.gm
         for part in qualname.split("."):
@@ -173,19 +165,29 @@ class _LowPrecisionRewrite:
         return (isinstance(value, torch.Tensor) and value.is_floating_point()
                 and value.dtype not in (torch.float64, self.dtype))
 
+    def _in_fp32(self, node: fx.Node) -> bool:
+        """Whether the O2 rules run ``node`` in fp32 (a normalisation op)."""
+        if node.op not in ("call_function", "call_method", "call_module"):
+            return False
+        return ClassifyPass(self.policy, self.dtype).classify(node).category is OpCategory.FP32
+
     def _read_low_copies(self) -> None:
-        """O2: every non-norm floating weight is read through the low-copy store."""
+        """O2: every floating parameter is read through the low-copy store, except by the
+        normalisation ops, which read their fp32 master."""
         store = None
         for node in list(self.graph.nodes):
-            if node.op != "get_attr" or not self._castable(self._attr(str(node.target))):
+            if node.op != "get_attr":
                 continue
-            if isinstance(self._owner(str(node.target)), NORM_MODULES):
+            value = self._attr(str(node.target))
+            if not isinstance(value, nn.Parameter) or not self._castable(value):
+                continue
+            users = [u for u in node.users if not self._in_fp32(u)]
+            if not users:
                 continue
             if store is None:
                 with self.graph.inserting_before(next(iter(self.graph.nodes))):
                     # NB: create_node: the store is a plain attribute, which get_attr warns on.
                     store = self.graph.create_node("get_attr", LOW_COPIES_ATTR)
-            users = list(node.users)
             with self.graph.inserting_after(node):
                 low = self._new_cast_node("call_method", "get", (store, node, self.dtype),
                                           node, weight=True)
@@ -212,7 +214,10 @@ class _LowPrecisionRewrite:
             if node.op == "get_attr" and isinstance(self._attr(str(node.target)), torch.Tensor):
                 prefix, _, name = str(node.target).rpartition(".")
                 owner = self.gm.get_submodule(prefix)
-                _replace_tensor(owner, name, low_copy(self._attr(str(node.target))))
+                low = low_copy(self._attr(str(node.target)))
+                _replace_tensor(owner, name, low)
+                if self.static and "val" in node.meta:
+                    node.meta["val"] = _fake_like(node.meta["val"], low.dtype)
             elif node.op == "call_module":
                 leaf = self.gm.get_submodule(str(node.target))
                 # Leaf modules are the GraphModule's own shallow copies (see _capture), so
@@ -221,25 +226,15 @@ class _LowPrecisionRewrite:
                         list(leaf.named_buffers(recurse=False)):
                     _replace_tensor(leaf, name, low_copy(value))
 
-    # -- activations -----------------------------------------------------------------------
-    def _norms_in_fp32(self) -> None:
+    # -- activations at the boundaries -----------------------------------------------------
+    def _norm_outputs_down(self) -> None:
+        """O2: a normalisation op's output goes back to the low dtype for the ops after it
+        (Apex's O2 keeps only the norm itself in fp32). A norm output that leaves the graph
+        stays fp32: rounding it only for the output cast to widen it again would lose bits."""
         for node in list(self.graph.nodes):
-            if not self._is_norm(node):
+            if not self._in_fp32(node):
                 continue
-            for arg in node.all_input_nodes:
-                if arg.op == "get_attr":
-                    continue
-                if _is_low_copy(arg):  # a non-norm weight used by a norm: its fp32 master
-                    node.replace_input_with(arg, arg.args[1])
-                    continue
-                if self.static and not self._needs(arg, torch.float32):
-                    continue
-                with self.graph.inserting_before(node):
-                    up = self._activation_cast(arg, torch.float32, node)
-                node.replace_input_with(arg, up)
             for out in self._tensor_outputs(node):
-                # A norm output that leaves the graph stays fp32: rounding it to the low
-                # dtype only for the output cast to widen it again would lose bits for nothing.
                 users = [u for u in out.users if u.op != "output"]
                 if not users:
                     continue
@@ -247,11 +242,6 @@ class _LowPrecisionRewrite:
                     down = self._activation_cast(out, self.dtype, node)
                 for user in users:
                     user.replace_input_with(out, down)
-
-    def _is_norm(self, node: fx.Node) -> bool:
-        if node.op == "call_module":
-            return isinstance(self.gm.get_submodule(str(node.target)), NORM_MODULES)
-        return node.op in ("call_function", "call_method") and op_key(node) in _NORM_OPS
 
     def _tensor_outputs(self, node: fx.Node) -> list[fx.Node]:
         """The node itself, or for norms returning tuples (``native_layer_norm``) the
@@ -314,58 +304,27 @@ class _LowPrecisionRewrite:
         node = self.graph.create_node(op, target, args, name=name)
         node.meta[META_KEY] = CastInfo(dtype, guarded=not self.static and not weight,
                                        weight=weight)
-        for key in ("nn_module_stack", "stack_trace"):
+        for key in ("nn_module_stack", "stack_trace", GRAD_KEY):
             if key in near.meta:
                 node.meta[key] = near.meta[key]
         source = value.meta.get("val")
         if isinstance(source, FakeTensor):
-            # Later decisions of the same step read this dtype before re-propagation.
             with source.fake_mode:
                 node.meta["val"] = source.to(dtype)
+        elif weight and self.static:
+            node.meta["val"] = _fake_like(None, dtype, self._attr(str(value.target)))
         return node
 
-    def _repropagate(self) -> None:
-        """Recompute every ``meta["val"]`` from the inputs' fake values (dtypes changed)."""
-        if not self.static:
-            return
-        vals = [n.meta["val"] for n in self.inputs]
-        mode = detect_fake_mode(vals)
-        if mode is None:
-            mode = FakeTensorMode(allow_non_fake_inputs=True)
-            vals = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in vals]
-        _FakeProp(self.gm, mode).propagate_dont_convert_inputs(*vals)
 
-
-class _FakeProp(FakeTensorProp):
-    """FakeTensorProp that runs on fake copies of the weights and buffers: the graph's
-    in-place updates (BatchNorm's running statistics) must not touch the real tensors."""
-
-    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode) -> None:
-        super().__init__(gm, mode)
-        self._fakes: dict[int, torch.Tensor] = {}
-
-    def _fake(self, value: Any) -> Any:
-        if not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor):
-            return value
-        if id(value) not in self._fakes:
-            self._fakes[id(value)] = self._mode.from_tensor(value, static_shapes=True)
-        return self._fakes[id(value)]
-
-    def fetch_attr(self, target: str) -> Any:
-        return self._fake(super().fetch_attr(target))
-
-    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
-        module = super().fetch_attr(target)
-        if not isinstance(module, nn.Module):
-            return module(*args, **kwargs)
-        state = {name: self._fake(t) for name, t in
-                 list(module.named_parameters()) + list(module.named_buffers())}
-        return torch.func.functional_call(module, state, args, kwargs)
-
-
-def _is_low_copy(node: fx.Node) -> bool:
-    return (node.op == "call_method" and node.target == "get" and len(node.args) == 3
-            and isinstance(node.args[0], fx.Node) and node.args[0].target == LOW_COPIES_ATTR)
+def _fake_like(val: Any, dtype: torch.dtype, real: torch.Tensor | None = None) -> Any:
+    """A fake tensor like ``val`` (or like the real tensor ``real``) in ``dtype``."""
+    if isinstance(val, FakeTensor):
+        with val.fake_mode:
+            return val.to(dtype)
+    if real is not None:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        return mode.from_tensor(real).to(dtype)
+    return val
 
 
 def _replace_tensor(owner: nn.Module, name: str, value: torch.Tensor) -> None:

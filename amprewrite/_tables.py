@@ -5,9 +5,9 @@ autocast registers (``"linear"``, ``"softmax"``, ``"conv_transpose2d"``), or
 ``"packet.overload"`` where one overload differs from the rest (only ``norm`` does).
 
 The CUDA and CPU tables mirror torch 2.13's ``AutocastCUDA`` / ``AutocastCPU`` registrations
-exactly (``include/ATen/autocast_mode.h`` and ``autocast_mode.cpp``). ``COMPOSITES`` records
-ops that autocast does not list but whose decomposition reaches a listed op, so that a
-torch-level graph node (``F.cross_entropy``) behaves as autocast's decomposed ops do.
+exactly (``include/ATen/autocast_mode.h`` and ``autocast_mode.cpp``). ``*_COMPOSITES`` record
+ops that autocast does not list but whose decomposition reaches a listed op, for a
+torch-level graph node (``F.cross_entropy``) that cannot be split into its pieces.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import enum
 from types import MappingProxyType
 from typing import Mapping
 
-__all__ = ["OpCategory", "CUDA_TABLE", "CPU_TABLE", "DEFAULT_TABLE"]
+__all__ = ["OpCategory", "CUDA_TABLE", "CPU_TABLE", "DEFAULT_TABLE", "CUDA_COMPOSITES",
+           "CPU_COMPOSITES", "O2_TABLE", "O3_TABLE", "NORM_OPS"]
 
 
 class OpCategory(enum.Enum):
@@ -120,10 +121,11 @@ def _with(base: Mapping[str, OpCategory], **groups: str) -> Mapping[str, OpCateg
     return MappingProxyType(merged)
 
 
-# Composite ops autocast does not list, whose decomposition reaches a listed op: a torch-level
-# node for them must behave as autocast's decomposed ops do (their output dtype included).
-CUDA_TABLE = _with(
-    CUDA_TABLE,
+# Composite ops autocast does not list, whose decomposition reaches a listed op. Autocast runs
+# their pieces one by one, so the presets split such a node into its ATen pieces when dtypes
+# are known (DecomposeCompositesPass), which gives autocast's bits; these rules apply only to
+# a node that stays whole (no example inputs), and give at least autocast's output dtype.
+CUDA_COMPOSITES: Mapping[str, OpCategory] = _table(
     FP32="""
     cross_entropy_loss normalize pairwise_distance interpolate upsample_bilinear
     upsample_nearest gumbel_softmax
@@ -131,11 +133,30 @@ CUDA_TABLE = _with(
     FP32_DTYPE_ARG="softmin vector_norm matrix_norm norm",
     PROMOTE="grid_sample",
 )
-CPU_TABLE = _with(CPU_TABLE, FP32="grid_sample")
+CPU_COMPOSITES: Mapping[str, OpCategory] = _table(FP32="grid_sample")
 
 # The default policy: CUDA AMP rules on every device, except that binary_cross_entropy is
 # rewritten to run in fp32 (what CPU autocast does) instead of being refused.
+# Composites stay whole under the default policy: its numerics are not autocast's bits, and
+# ``F.cross_entropy`` reads better in ``gm.code`` than its pieces.
 DEFAULT_TABLE: Mapping[str, OpCategory] = _with(
-    {k: v for k, v in CUDA_TABLE.items() if k != "binary_cross_entropy"},
+    {**{k: v for k, v in CUDA_TABLE.items() if k != "binary_cross_entropy"}, **CUDA_COMPOSITES},
     FP32="binary_cross_entropy",
 )
+
+# Opt levels O2 and O3 (Apex's "almost fp16" and "pure fp16"): every op runs in whatever dtype
+# arrives, except ops that need one dtype for all their floating inputs (matmuls, convolutions,
+# attention: every op an autocast table lowers), whose inputs are cast to the low dtype, and
+# the promote ops. O2 keeps normalisation layers in fp32; O3 runs them in the low dtype too.
+_NORMS = """
+    batch_norm instance_norm layer_norm group_norm rms_norm native_layer_norm native_group_norm
+    native_batch_norm _native_batch_norm_legit _native_batch_norm_legit_functional
+    _native_batch_norm_legit_no_training
+"""
+_ONE_DTYPE = " ".join(sorted({k for t in (CUDA_TABLE, CPU_TABLE) for k, v in t.items()
+                              if v is OpCategory.LOWER}))
+_PROMOTE = " ".join(sorted({k for t in (CUDA_TABLE, CPU_TABLE) for k, v in t.items()
+                            if v is OpCategory.PROMOTE and k != "grid_sample"}))
+O2_TABLE: Mapping[str, OpCategory] = _table(LOWER=_ONE_DTYPE, FP32=_NORMS, PROMOTE=_PROMOTE)
+O3_TABLE: Mapping[str, OpCategory] = _table(LOWER=_ONE_DTYPE + _NORMS, PROMOTE=_PROMOTE)
+NORM_OPS = frozenset(_NORMS.split())

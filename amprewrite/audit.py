@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Iterator
 
 from ._audit_mode import FP16_MAX, Recorder, _AuditMode
@@ -188,6 +189,11 @@ class _AuditSession:
 
     def _build(self) -> None:
         recorder = self._recorder
+        if recorder.failures:
+            warnings.warn(
+                f"amprewrite.audit: {len(recorder.failures)} op call(s) could not be recorded "
+                f"and are missing from the report; the first: {recorder.failures[0]}",
+                stacklevel=3)
         stats, hist, grad_max = recorder.finish()
         records = []
         first_call, first = None, None

@@ -21,12 +21,15 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from ._tables import CPU_TABLE, CUDA_TABLE, DEFAULT_TABLE, OpCategory
+from ._tables import (CPU_COMPOSITES, CPU_TABLE, CUDA_COMPOSITES, CUDA_TABLE, DEFAULT_TABLE,
+                      O2_TABLE, O3_TABLE, OpCategory)
 
 __all__ = ["Policy", "OpCategory"]
 
 _LOW_DTYPES = (torch.float16, torch.bfloat16)
-_PRESET_TABLES = {"default": DEFAULT_TABLE, "cpu": CPU_TABLE, "cuda": CUDA_TABLE}
+_PRESET_TABLES = {"default": DEFAULT_TABLE, "cpu": CPU_TABLE, "cuda": CUDA_TABLE,
+                  "O2": O2_TABLE, "O3": O3_TABLE}
+_PRESET_COMPOSITES = {"cpu": CPU_COMPOSITES, "cuda": CUDA_COMPOSITES}
 
 
 def check_low_dtype(dtype: object, where: str) -> torch.dtype:
@@ -134,7 +137,9 @@ class Policy:
 
     Attributes:
         preset: ``"default"`` (CUDA AMP rules everywhere), ``"cpu"`` or ``"cuda"`` (mirror of
-            ``torch.autocast`` on that device). Use the constructors, not this field.
+            ``torch.autocast`` on that device); ``"O2"`` / ``"O3"`` are the rules of those opt
+            levels, which ``convert(opt_level=...)`` applies. Use the constructors, not this
+            field.
         dtype: the low dtype (fp16 or bf16); None lets ``convert`` pick fp16 for models on
             CUDA and bf16 otherwise.
         device_type: only tensors on this device type are cast (autocast's eligibility rule);
@@ -228,8 +233,8 @@ class Policy:
         return _PRESET_TABLES[self.preset]
 
     def describe(self) -> str:
-        name = "default (CUDA AMP rules)" if self.preset == "default" else \
-            f"autocast({self.preset!r})"
+        name = {"default": "default (CUDA AMP rules)", "O2": "opt_level O2",
+                "O3": "opt_level O3"}.get(self.preset, f"autocast({self.preset!r})")
         return f"{name}, {self.dtype}"
 
     def table_rule(self, key: str, overload: str | None) -> tuple[OpCategory, str] | None:
@@ -241,8 +246,16 @@ class Policy:
         table = self.table
         for k in (overload, key):
             if k is not None and k in table:
-                return table[k], f"{'default' if self.preset == 'default' else self.preset} table"
+                return table[k], f"{self.preset} table"
         return None
+
+    def composite_rule(self, key: str) -> tuple[OpCategory, str] | None:
+        """The rule for a composite op the preset's autocast runs piecewise, when its node
+        could not be split into its pieces (see ``_tables.CUDA_COMPOSITES``)."""
+        category = _PRESET_COMPOSITES.get(self.preset, {}).get(key)
+        if category is None:
+            return None
+        return category, f"{self.preset} table (composite kept whole)"
 
     def op_override(self, key: str) -> OpCategory | None:
         return dict(self.op_overrides).get(key)

@@ -161,7 +161,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class RotaryNoAutocast(nn.Module):
     """A rotary embedding computed in fp32 inside the model's own
-    ``torch.autocast("cpu", enabled=False)`` region, with views and reshapes around it."""
+    ``torch.autocast(<device>, enabled=False)`` region, with views and reshapes around it."""
 
     def __init__(self, dim: int = 16, heads: int = 2) -> None:
         super().__init__()
@@ -173,9 +173,11 @@ class RotaryNoAutocast(nn.Module):
         self.register_buffer("inv_freq", inv)
 
     def rotate(self, t: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", enabled=False):
+        # The buffer's device, not t's: a symbolic tracer sees t as a proxy.
+        device = self.inv_freq.device
+        with torch.autocast(device.type, enabled=False):
             t = t.float()
-            pos = torch.arange(t.shape[2], dtype=torch.float32)
+            pos = torch.arange(t.shape[2], dtype=torch.float32, device=device)
             freqs = torch.outer(pos, self.inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
             rotated = t * emb.cos() + _rotate_half(t) * emb.sin()

@@ -319,7 +319,7 @@ def test_converting_twice_inserts_nothing(inputs: tuple | None) -> None:
 
 
 def test_passes_report_unmodified_on_second_run() -> None:
-    from amprewrite._convert import amp_passes
+    from amprewrite._pipeline import amp_passes
 
     gm = amprewrite.convert(MLP(), (torch.randn(2, 8),))
     policy, dtype = gm.meta["amprewrite_policy"]

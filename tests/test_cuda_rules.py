@@ -183,3 +183,54 @@ def test_default_policy_runs_banned_op_in_fp32(entry: Any, dtype: str) -> None:
         got = _converted_dtypes(model, typed, amprewrite.Policy(dtype=DTYPES[dtype]),
                                 "symbolic_static", mode)
         assert got == [torch.float32]
+
+
+# -- on a real GPU: bitwise, not only dtypes -------------------------------------------------
+_GPU_SKIPS = {
+    "einsum": SKIPS["einsum"],
+    "equal": "returns a Python bool, not a tensor",
+}
+
+
+def _gpu_cases() -> list[Any]:
+    cases = []
+    for entry in ENTRIES:
+        category = entry[0].split("-")[0]
+        for dtype in DTYPES:
+            for path in ("export", "symbolic_static", "symbolic_guarded"):
+                marks = []
+                if entry[1] in _GPU_SKIPS:
+                    marks.append(pytest.mark.skip(reason=_GPU_SKIPS[entry[1]]))
+                elif category in FP16_ONLY and dtype == "bf16":
+                    marks.append(pytest.mark.skip(reason="autocast itself raises (FP16_ONLY)"))
+                elif path != "export" and entry[1] in SYMBOLIC_UNTRACEABLE:
+                    marks.append(pytest.mark.skip(reason=SYMBOLIC_UNTRACEABLE[entry[1]]))
+                cases.append(pytest.param(entry, dtype, path, marks=marks,
+                                          id=f"{entry[0]}-{dtype}-{path}"))
+    return cases
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("entry,dtype,path", _gpu_cases())
+def test_cuda_preset_bitwise_on_gpu(entry: Any, dtype: str, path: str) -> None:
+    """The real kernels on a GPU: ``Policy.autocast("cuda")`` gives torch.autocast("cuda")'s
+    output dtypes and bits."""
+    _, name, module, args, kwargs, expect = entry
+    low = DTYPES[dtype]
+    args = torch.utils._pytree.tree_map(
+        lambda x: x.detach().cuda() if isinstance(x, torch.Tensor) else x, args)
+    model = one_op_module(resolve_op(name, module, args[0]), args, kwargs)
+    inputs = tuple(tensors_of(args))
+    with torch.autocast("cuda", dtype=low):
+        want = tensors_of(model(*inputs))
+    assert want[0].dtype == (expect or low)
+    policy = amprewrite.Policy.autocast("cuda", low)
+    if path == "symbolic_guarded":
+        gm = amprewrite.convert(model, policy=policy, capture="symbolic")
+    else:
+        gm = amprewrite.convert(model, inputs, policy=policy, capture=path.split("_")[0])
+    got = tensors_of(gm(*inputs))
+    assert [t.dtype for t in got] == [t.dtype for t in want]
+    for g, w in zip(got, want):
+        assert torch.equal(g, w), f"{name}: not bitwise equal to autocast (max |diff| " \
+                                  f"{(g.double() - w.double()).abs().max().item()})"

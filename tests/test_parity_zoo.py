@@ -1,7 +1,8 @@
-"""Bitwise parity of converted zoo models with ``torch.autocast("cpu")``.
+"""Bitwise parity of converted zoo models with ``torch.autocast``, on CPU and (where there is
+one) on a CUDA device.
 
-Under ``Policy.autocast("cpu", d)`` a converted model must compute exactly what the original
-computes under ``torch.autocast("cpu", dtype=d)``: same output dtypes and bits, same parameter
+Under ``Policy.autocast(device, d)`` a converted model must compute exactly what the original
+computes under ``torch.autocast(device, dtype=d)``: same output dtypes and bits, same parameter
 gradients, same buffer updates, through every capture path. Conversion must also leave the
 user's model untouched, share its parameters, and be idempotent.
 """
@@ -18,7 +19,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 import amprewrite
-from amprewrite._convert import amp_passes
+from amprewrite._pipeline import amp_passes
 from amprewrite._eliminate_casts import cast_source
 from amprewrite._meta import cast_info
 from amprewrite._runtime import guarded_promote
@@ -27,10 +28,13 @@ from _zoo import ZOO, ZooCase
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PATHS = ("export", "symbolic_static", "symbolic_guarded")
+DEVICES = ("cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")))
 
 
-def _convert(model: nn.Module, inputs: tuple, dtype: torch.dtype, path: str) -> fx.GraphModule:
-    policy = amprewrite.Policy.autocast("cpu", dtype)
+def _convert(model: nn.Module, inputs: tuple, dtype: torch.dtype, path: str,
+             device: str = "cpu") -> fx.GraphModule:
+    policy = amprewrite.Policy.autocast(device, dtype)
     if path == "export":
         return amprewrite.convert(model, inputs, policy=policy, capture="export")
     if path == "symbolic_static":
@@ -45,7 +49,7 @@ def _flat(out: Any) -> list[torch.Tensor]:
 def _backward(outputs: list[torch.Tensor]) -> None:
     """Backpropagate fixed pseudo-random output gradients (the same for both runs)."""
     g = torch.Generator().manual_seed(7)
-    pairs = [(o, torch.randn(o.shape, generator=g).to(o.dtype)) for o in outputs
+    pairs = [(o, torch.randn(o.shape, generator=g).to(o.device, o.dtype)) for o in outputs
              if o.requires_grad]
     torch.autograd.backward([o for o, _ in pairs], [d for _, d in pairs])
 
@@ -73,34 +77,47 @@ def _snapshot(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 # Known gaps, each with its reason (the test still runs and must fail: strict xfail).
 KNOWN_GAPS = {
-    ("composites", "symbolic_guarded"):
-        "without example inputs the composite ops autocast decomposes (einsum, tensordot, "
+    ("composites", "symbolic_guarded", "cpu"):
+        "without example inputs the composite ops CPU autocast decomposes (einsum, tensordot, "
         "inner, lstm_cell, gru_cell) cannot be traced into their ATen pieces, so they stay "
-        "whole and compute in fp32 where autocast runs their bmm/mm/linear in low precision",
+        "whole and compute in fp32 where autocast runs their bmm/mm/linear in low precision "
+        "(CUDA autocast lists them whole, so CUDA has no such gap)",
+    ("composites", "export", "cuda"):
+        "torch.export cannot trace gru_cell on CUDA: its CUDA kernel, "
+        "aten::_thnn_fused_gru_cell, has no fake (meta) implementation",
 }
 
 
 def _parity_cases() -> list[Any]:
     cases = []
-    for case in ZOO:
-        for dtype in DTYPES:
-            for path in PATHS:
-                gap = KNOWN_GAPS.get((case.name, path))
-                marks = [pytest.mark.xfail(strict=True, reason=gap)] if gap else []
-                cases.append(pytest.param(case, dtype, path, marks=marks,
-                                          id=f"{case.name}-{dtype}-{path}"))
+    for device in DEVICES:
+        name = device if isinstance(device, str) else device.values[0]
+        device_marks = [] if isinstance(device, str) else list(device.marks)
+        for case in ZOO:
+            for dtype in DTYPES:
+                for path in PATHS:
+                    gap = KNOWN_GAPS.get((case.name, path, name))
+                    marks = device_marks + (
+                        [pytest.mark.xfail(strict=True, reason=gap)] if gap else [])
+                    cases.append(pytest.param(case, dtype, path, name, marks=marks,
+                                              id=f"{case.name}-{dtype}-{path}-{name}"))
     return cases
 
 
-@pytest.mark.parametrize("case,dtype,path", _parity_cases())
-def test_bitwise_parity_with_autocast(case: ZooCase, dtype: str, path: str) -> None:
+def _to(device: str, inputs: tuple) -> tuple:
+    return torch.utils._pytree.tree_map(
+        lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, inputs)
+
+
+@pytest.mark.parametrize("case,dtype,path,device", _parity_cases())
+def test_bitwise_parity_with_autocast(case: ZooCase, dtype: str, path: str, device: str) -> None:
     low = DTYPES[dtype]
-    model = case.make_model().train(case.train)
+    model = case.make_model().train(case.train).to(device)
     reference = copy.deepcopy(model)
-    inputs = case.make_inputs()
+    inputs = _to(device, case.make_inputs())
     before = _snapshot(model)
 
-    gm = _convert(model, inputs, low, path)
+    gm = _convert(model, inputs, low, path, device)
 
     # The user's model is untouched, and the converted module shares its parameters.
     after = model.state_dict(keep_vars=True)
@@ -112,7 +129,7 @@ def test_bitwise_parity_with_autocast(case: ZooCase, dtype: str, path: str) -> N
     for name, param in model.named_parameters():
         assert gm.get_parameter(name) is param, f"gm does not share parameter {name}"
 
-    with torch.autocast("cpu", dtype=low):
+    with torch.autocast(device, dtype=low):
         torch.manual_seed(123)
         want = _flat(reference(*inputs))
     _backward(want)

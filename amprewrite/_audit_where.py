@@ -51,13 +51,15 @@ def _node_contexts(gm: torch.fx.GraphModule, prefix: str) -> list[Context]:
     # Imported here: _classify pulls in the pass machinery, which an eager audit never needs.
     from ._classify import module_paths
     from ._meta import cast_info
+    from ._weights import is_fetch
 
     out = []
     for node in gm.graph.nodes:
         paths = module_paths(node)
         inner = paths[-1] if paths else ""
         module = ".".join(p for p in (prefix, inner) if p)
-        out.append(Context(node.name, module, cast_info(node) is not None))
+        # The gathered weight reads cast every parameter in one batch: their ops are casts.
+        out.append(Context(node.name, module, cast_info(node) is not None or is_fetch(node)))
     return out
 
 

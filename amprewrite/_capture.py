@@ -30,7 +30,9 @@ from ._fake import fake_state
 from ._opkey import module_op_names
 from ._registry import registered_functions
 from ._runtime import RUNTIME_FUNCTIONS
+from ._low_copies import LOW_COPIES_ATTR
 from ._weight_cache import CACHE_ATTR, WeightCastCache
+from ._weights import WEIGHTS_ATTR, WeightTable
 
 __all__ = ["Region", "REGION_KEY", "GRAD_KEY", "capture_symbolic", "capture_converted",
            "is_converted", "propagate_meta"]
@@ -96,9 +98,31 @@ class _AmpTracer(fx.Tracer):
             cache_proxy = tracer.create_proxy("get_attr", path, (), {})
             return tracer.create_proxy("call_method", "cast", (cache_proxy, weight, dtype), {})
 
-        cast = WeightCastCache.cast
+        # ... and its gathered weight reads become get_attr and cast nodes again.
+        def _fetch(table: WeightTable, *entries: tuple, cache: Any = None,
+                   store: Any = None) -> tuple:
+            prefix = next(q for q, m in tracer.root.named_modules()
+                          if m.__dict__.get(WEIGHTS_ATTR) is table)
+            out = []
+            for entry in entries:
+                path = f"{prefix}.{entry[0]}" if prefix else entry[0]
+                read = tracer.create_proxy("get_attr", path, (), {})
+                if len(entry) == 1:
+                    out.append(read)
+                    continue
+                # The inner module's cache or O2 store: a plain attribute, read by path.
+                attr = LOW_COPIES_ATTR if len(entry) == 3 else CACHE_ATTR
+                holder = tracer.create_proxy("get_attr", f"{prefix}.{attr}" if prefix else attr,
+                                             (), {})
+                out.append(tracer.create_proxy(
+                    "call_method", "get" if len(entry) == 3 else "cast",
+                    (holder, read, entry[1]), {}))
+            return tuple(out)
+
+        cast, fetch = WeightCastCache.cast, WeightTable.fetch
         autocast_cls.__enter__, autocast_cls.__exit__ = _enter, _exit  # type: ignore[method-assign]
         WeightCastCache.cast = _cast  # type: ignore[method-assign]
+        WeightTable.fetch = _fetch  # type: ignore[method-assign]
         # NB: fx.Proxy has no in-place operators, so `h += x` would be traced as `h = h + x`:
         # out of place, it promotes a low-precision h to fp32 where the model keeps h's dtype.
         for name, fn in _INPLACE_OPERATORS.items():
@@ -108,6 +132,7 @@ class _AmpTracer(fx.Tracer):
         finally:
             autocast_cls.__enter__, autocast_cls.__exit__ = enter, exit_  # type: ignore[method-assign]
             WeightCastCache.cast = cast  # type: ignore[method-assign]
+            WeightTable.fetch = fetch  # type: ignore[method-assign]
             for name in _INPLACE_OPERATORS:
                 delattr(fx.Proxy, name)
 
@@ -179,9 +204,10 @@ def capture_converted(gm: fx.GraphModule) -> fx.GraphModule:
     ``enabled=False`` region as ordinary ops and cast them. ``Graph`` deep copies keep each
     node's meta (a shallow copy), so decisions, regions and dtypes carry over.
     """
-    from ._weight_cache import CACHE_ATTR, WeightCastCache
+    from ._weights import ungather_weights
 
     new = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    ungather_weights(new, gm)  # the passes work on one get_attr and one cast node per weight
     if hasattr(new, CACHE_ATTR):
         setattr(new, CACHE_ATTR, WeightCastCache())  # copies of weights are per module
     new.meta.update({k: v for k, v in gm.meta.items() if k != CONVERTED_KEY})

@@ -28,6 +28,7 @@ from ._export import GRAD_MODE_FUNCTIONS
 from ._meta import META_KEY, Decision, cast_info
 from ._opkey import is_inplace, op_key, overload_key
 from ._tables import OpCategory
+from ._weights import is_fetch
 from .policy import Policy
 
 __all__ = ["ClassifyPass", "module_paths"]
@@ -55,10 +56,13 @@ def module_paths(node: fx.Node) -> list[str]:
 
 
 def _cast_item(node: fx.Node) -> bool:
-    """``cast[i]``: an output of a multi-output cast (guarded_promote) is part of the cast,
-    not an op of the model."""
+    """``cast[i]``: an output of a multi-output cast (guarded_promote) or of the gathered
+    weight reads (``weights[i]``) is part of the cast, not an op of the model."""
+    if is_fetch(node):
+        return True
     return (node.op == "call_function" and node.target is operator.getitem
-            and isinstance(node.args[0], fx.Node) and cast_info(node.args[0]) is not None)
+            and isinstance(node.args[0], fx.Node)
+            and (cast_info(node.args[0]) is not None or is_fetch(node.args[0])))
 
 
 def _is_export_guard(node: fx.Node) -> bool:

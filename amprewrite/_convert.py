@@ -16,9 +16,10 @@ from ._classify import module_paths
 from ._errors import AmpRewriteError
 from ._export import Regime, capture_export
 from ._meta import META_KEY
-from ._opt_levels import apply_opt_level, check_opt_level
+from ._opt_levels import apply_opt_level, check_opt_level, low_precision_twin
 from ._pipeline import run_passes
 from ._state import preserved_global_state
+from ._weights import gather_weights
 from .policy import Policy, check_low_dtype
 
 __all__ = ["convert", "resolve_dtype"]
@@ -102,6 +103,8 @@ def _capture_and_rewrite(model: nn.Module, args: tuple | None, kwargs: dict[str,
                          policy: Policy, low: torch.dtype, capture: str,
                          opt_level: str) -> fx.GraphModule:
     has_inputs = args is not None or kwargs is not None
+    if opt_level == "O3" and not is_converted(model):
+        model = low_precision_twin(model, low)  # O3 owns low-precision copies of everything
     if is_converted(model):
         # NB: re-capturing would lose what only the nodes' meta holds (the model's own
         # autocast regions, the decisions), so converting twice could cast more.
@@ -151,7 +154,7 @@ def _rewrite(gm: fx.GraphModule, model: nn.Module, policy: Policy, low: torch.dt
         return apply_opt_level(gm, model, opt_level, low)
     _check_override_names(gm, policy)
     run_passes(gm, policy, low)
-    return gm
+    return gather_weights(gm)
 
 
 def _regime(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, policy: Policy,

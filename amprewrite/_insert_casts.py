@@ -43,6 +43,7 @@ from ._meta import META_KEY, CastInfo, Decision, cast_info, decision
 from ._runtime import fp32_if_eligible, guarded_cast, guarded_promote
 from ._tables import OpCategory
 from ._weight_cache import CACHE_ATTR, WeightCastCache
+from ._weights import gathered_cast_dtype, is_fetch, read_name
 from .policy import Policy
 
 __all__ = ["InsertCastsPass"]
@@ -247,11 +248,11 @@ class InsertCastsPass(PassBase):
 
     # -- eligibility and cast nodes ------------------------------------------------------
     def _is_weight(self, node: fx.Node) -> bool:
-        return node.op == "get_attr"
+        return read_name(node) is not None
 
     def _weight_value(self, node: fx.Node) -> Any:
         obj: Any = self.gm
-        for part in str(node.target).split("."):
+        for part in str(read_name(node)).split("."):
             obj = getattr(obj, part)
         return obj
 
@@ -273,7 +274,9 @@ class InsertCastsPass(PassBase):
         from ._eliminate_casts import cast_source
 
         source = cast_source(node)
-        return source is None or source[1] != dtype
+        if source is None:
+            return gathered_cast_dtype(node) != dtype
+        return source[1] != dtype
 
     def _cast_input(self, cast: fx.Node) -> fx.Node:
         return cast.args[1] if cast.args and cast.args[0].op == "get_attr" and \
@@ -324,11 +327,14 @@ class InsertCastsPass(PassBase):
 
 
 def _stateful(node: fx.Node) -> bool:
-    """Calls that compute no tensor and must not run at conversion: the grad-mode calls of an
-    inlined ``no_grad`` region (they would flip the converting process's grad mode) and
-    torch.export's input-shape guard."""
+    """Calls not to re-run on fake tensors: the grad-mode calls of an inlined ``no_grad``
+    region (they would flip the converting process's grad mode), torch.export's input-shape
+    guard, and the gathered weight reads (their values are the weights', recorded already)."""
+    if node.op == "call_function" and node.target is operator.getitem and \
+            isinstance(node.args[0], fx.Node) and is_fetch(node.args[0]):
+        return True
     return (node.op == "call_function" and node.target in GRAD_MODE_FUNCTIONS) or \
-        (node.op == "call_module" and node.target == "_guards_fn")
+        (node.op == "call_module" and node.target == "_guards_fn") or is_fetch(node)
 
 
 def _promoted_item(node: fx.Node) -> bool:
@@ -340,7 +346,8 @@ def _promoted_item(node: fx.Node) -> bool:
 
 def _share_key(value: fx.Node) -> Any:
     # A weight may be fetched by several get_attr nodes; its cast is shared by attribute name.
-    return ("get_attr", value.target) if value.op == "get_attr" else value
+    name = read_name(value)
+    return ("get_attr", name) if name is not None else value
 
 
 def _dtype(node: fx.Node, owner: InsertCastsPass | None = None) -> torch.dtype | None:

@@ -266,7 +266,9 @@ def _alignment(gm: fx.GraphModule) -> list[Lint]:
 
 
 def _fp16_params(gm: fx.GraphModule) -> list[Lint]:
-    users = {str(n.target): n.name for n in gm.graph.nodes if n.op == "get_attr"}
+    from ._weights import entry_nodes
+
+    users = entry_nodes(gm)
     out = []
     for name, p in gm.named_parameters():
         if p.dtype == torch.float16 and p.requires_grad:

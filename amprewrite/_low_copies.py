@@ -55,6 +55,28 @@ class _MasterGrad(torch.autograd.Function):
         return grad.to(ctx.master_dtype), None
 
 
+class _MasterGradMany(torch.autograd.Function):
+    """:class:`_MasterGrad` for many (master, copy) pairs as one autograd node."""
+
+    @staticmethod
+    def forward(ctx: Any, n: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.dtypes = [t.dtype for t in tensors[:n]]
+        ctx.set_materialize_grads(False)  # an unused copy gives its master no gradient
+        return tensors[n:]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        from ._weight_cache import cast_batch
+
+        present = [i for i, g in enumerate(grads) if g is not None]
+        up: list[torch.Tensor | None] = [None] * len(grads)
+        for dtype in set(ctx.dtypes[i] for i in present):
+            group = [i for i in present if ctx.dtypes[i] == dtype]
+            for i, g in zip(group, cast_batch([grads[i] for i in group], dtype)):
+                up[i] = g
+        return (None, *up, *([None] * len(grads)))
+
+
 def _tracing(master: torch.Tensor) -> bool:
     # Fake-tensor propagation at conversion time and tracers must see a plain cast, and must
     # not leave fake copies in the store.
@@ -86,6 +108,27 @@ class LowPrecisionCopies:
                 "torch.no_grad() for inference.")
         copy = self._current(master, dtype)
         return _MasterGrad.apply(master, copy) if training else copy
+
+    def get_many(self, masters: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+        """:meth:`get` for many masters at once; in grad mode their copies are tracked back to
+        them by one autograd node."""
+        if torch.compiler.is_compiling():
+            # A compiler sees plain casts (the same values: copies are the masters cast),
+            # which it can fuse; the store's Python bookkeeping would break its graph.
+            return [m.to(dtype) for m in masters]
+        if any(m.dtype == dtype or _tracing(m) for m in masters):
+            return [self.get(m, dtype) for m in masters]
+        training = [i for i, m in enumerate(masters) if m.requires_grad] \
+            if torch.is_grad_enabled() else []
+        if training and self.bindings == 0:
+            self.get(masters[training[0]], dtype)  # raises the unbound-optimizer error
+        out = [self._current(m, dtype) for m in masters]
+        if training:
+            tracked = _MasterGradMany.apply(len(training), *[masters[i] for i in training],
+                                            *[out[i] for i in training])
+            for i, t in zip(training, tracked):
+                out[i] = t
+        return out
 
     def _current(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         key = (id(master), dtype)

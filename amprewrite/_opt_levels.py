@@ -18,9 +18,9 @@ Apex's four levels, as graph rewrites of a captured model:
   Apex does. The fp32 masters stay the module's parameters, shared with the user's model;
   :class:`amprewrite.MasterWeights` binds them to the optimizer.
 * ``O3``: pure low precision, no masters: the GraphModule owns low-precision *copies* of the
-  parameters and buffers (the user's model keeps its fp32 tensors; nothing calls ``.half()``
-  on it); inputs cast down and outputs up as in O2, normalisation in the low dtype too
-  (``_tables.O3_TABLE``). The speed baseline.
+  parameters and buffers (:func:`low_precision_twin`: the model is traced on a copy of itself
+  in the low dtype; the user's model keeps its fp32 tensors); inputs cast down and outputs up
+  as in O2, normalisation in the low dtype too (``_tables.O3_TABLE``). The speed baseline.
 
 After (O2, fp16; ``Linear → LayerNorm → Linear``, symbolic capture with example inputs)::
 
@@ -43,6 +43,7 @@ fp16 parameters).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import operator
 from typing import Any
@@ -60,10 +61,11 @@ from ._meta import CastInfo, META_KEY
 from ._pipeline import run_passes
 from ._runtime import guarded_cast
 from ._tables import OpCategory
+from ._weights import gather_weights
 from .policy import Policy
 
 __all__ = ["OPT_LEVELS", "OPT_LEVEL_KEY", "OptLevel", "apply_opt_level", "check_opt_level",
-           "opt_level_of"]
+           "low_precision_twin", "opt_level_of"]
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
 OPT_LEVEL_KEY = "amprewrite_opt_level"
@@ -145,14 +147,13 @@ class _LowPrecisionRewrite:
         if self.masters:
             setattr(self.gm, LOW_COPIES_ATTR, LowPrecisionCopies())
             self._read_low_copies()
-        else:
-            self._own_low_copies()
         self._cast_inputs()
         if self.masters:
             self._norm_outputs_down()
         run_passes(self.gm, self.policy, self.dtype, mark_converted=False)
         self._cast_outputs()
         EliminateCastsPass(self.policy)(self.gm)
+        gather_weights(self.gm)
 
     # -- weights ---------------------------------------------------------------------------
     def _attr(self, qualname: str) -> Any:
@@ -193,38 +194,6 @@ class _LowPrecisionRewrite:
                                           node, weight=True)
             for user in users:
                 user.replace_input_with(node, low)
-
-    def _own_low_copies(self) -> None:
-        """O3: the GraphModule's parameters and buffers become its own copies, floating ones
-        in the low dtype (get_attr targets and the tensors of leaf modules such as BatchNorm
-        alike)."""
-        made: dict[int, torch.Tensor] = {}
-
-        def low_copy(value: torch.Tensor) -> torch.Tensor:
-            if id(value) not in made:
-                # Non-floating buffers (BatchNorm's num_batches_tracked) are copied too, so
-                # that training the GraphModule never writes into the user's model.
-                data = value.detach().to(self.dtype) if self._castable(value) else \
-                    value.detach().clone()
-                made[id(value)] = (nn.Parameter(data, requires_grad=value.requires_grad)
-                                   if isinstance(value, nn.Parameter) else data)
-            return made[id(value)]
-
-        for node in self.graph.nodes:
-            if node.op == "get_attr" and isinstance(self._attr(str(node.target)), torch.Tensor):
-                prefix, _, name = str(node.target).rpartition(".")
-                owner = self.gm.get_submodule(prefix)
-                low = low_copy(self._attr(str(node.target)))
-                _replace_tensor(owner, name, low)
-                if self.static and "val" in node.meta:
-                    node.meta["val"] = _fake_like(node.meta["val"], low.dtype)
-            elif node.op == "call_module":
-                leaf = self.gm.get_submodule(str(node.target))
-                # Leaf modules are the GraphModule's own shallow copies (see _capture), so
-                # replacing their tensors leaves the user's module alone.
-                for name, value in list(leaf.named_parameters(recurse=False)) + \
-                        list(leaf.named_buffers(recurse=False)):
-                    _replace_tensor(leaf, name, low_copy(value))
 
     # -- activations at the boundaries -----------------------------------------------------
     def _norm_outputs_down(self) -> None:
@@ -316,6 +285,26 @@ class _LowPrecisionRewrite:
         return node
 
 
+def low_precision_twin(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """O3's own copy of ``model`` with every floating parameter and buffer in ``dtype`` (fp64
+    ones excepted, as autocast never casts them); the user's model is not touched.
+
+    O3 is traced on this twin, so model code that reads a dtype off its parameters (HF's
+    attention masks: ``torch.finfo(self.dtype).min``) sees the low dtype the graph runs in.
+    """
+    twin = copy.deepcopy(model)
+    for module in twin.modules():
+        for store in (module._parameters, module._buffers):
+            for name, value in list(store.items()):
+                if value is None or not value.is_floating_point() or \
+                        value.dtype in (torch.float64, dtype):
+                    continue
+                low = value.detach().to(dtype)
+                store[name] = nn.Parameter(low, value.requires_grad) \
+                    if isinstance(value, nn.Parameter) else low
+    return twin
+
+
 def _fake_like(val: Any, dtype: torch.dtype, real: torch.Tensor | None = None) -> Any:
     """A fake tensor like ``val`` (or like the real tensor ``real``) in ``dtype``."""
     if isinstance(val, FakeTensor):
@@ -325,12 +314,3 @@ def _fake_like(val: Any, dtype: torch.dtype, real: torch.Tensor | None = None) -
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         return mode.from_tensor(real).to(dtype)
     return val
-
-
-def _replace_tensor(owner: nn.Module, name: str, value: torch.Tensor) -> None:
-    if name in owner._parameters:
-        owner._parameters[name] = value  # type: ignore[assignment]
-    elif name in owner._buffers:
-        owner._buffers[name] = value
-    else:
-        setattr(owner, name, value)

@@ -78,6 +78,35 @@ class WeightCastCache:
             return entry.copy
         return self._refresh(weight, dtype, key)
 
+    def cast_many(self, weights: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+        """:meth:`cast` for many weights at once: the ones autograd needs are cast by one
+        batched, autograd-tracked cast (:func:`cast_batch`), the others come from the cache."""
+        # Runs once per forward for all weights: checks that hold for every weight (tracing,
+        # compiling, grad mode) are made once, and cache hits are inlined.
+        if weights and (torch.compiler.is_compiling() or _tracing(weights[0])):
+            return [w.to(dtype) for w in weights]  # a compiler or tracer sees plain casts
+        grad = torch.is_grad_enabled()
+        entries = self._entries
+        out = list(weights)
+        tracked = []
+        for i, w in enumerate(weights):
+            if w.dtype == dtype:
+                continue
+            if grad and w.requires_grad:
+                tracked.append(i)
+                continue
+            entry = entries.get((id(w), dtype))
+            if entry is not None and entry.weight() is w and entry.version == w._version \
+                    and entry.data_ptr == w.data_ptr():
+                out[i] = entry.copy
+            else:
+                out[i] = self.cast(w, dtype)
+        if tracked:
+            made = _BatchCast.apply(dtype, *[weights[i] for i in tracked])
+            for i, t in zip(tracked, made):
+                out[i] = t
+        return out
+
     def _refresh(self, weight: torch.Tensor, dtype: torch.dtype,
                  key: tuple[int, torch.dtype]) -> torch.Tensor:
         if _tracing(weight) or weight.is_inference():
@@ -116,6 +145,67 @@ class WeightCastCache:
 
     def __repr__(self) -> str:
         return f"WeightCastCache({len(self)} copies, {self.nbytes()} bytes)"
+
+
+class _BatchCast(torch.autograd.Function):
+    """Casts many tensors to one dtype as one autograd node; backward casts each gradient
+    back to its tensor's dtype, as ``ToCopyBackward`` does for each of them."""
+
+    @staticmethod
+    def forward(ctx: Any, dtype: torch.dtype, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.dtypes = [t.dtype for t in tensors]
+        # Unused outputs get no gradient (None), not zeros: a weight the forward did not use
+        # keeps .grad None, as with one cast per weight.
+        ctx.set_materialize_grads(False)
+        return tuple(cast_batch(list(tensors), dtype))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        present = [i for i, g in enumerate(grads) if g is not None]
+        out: list[torch.Tensor | None] = [None] * len(grads)
+        for dtype in set(ctx.dtypes[i] for i in present):
+            group = [i for i in present if ctx.dtypes[i] == dtype]
+            for i, g in zip(group, cast_batch([grads[i] for i in group], dtype)):
+                out[i] = g
+        return (None, *out)
+
+
+_BATCH_ELEMENTS = 1 << 24
+"""Elements per flat group (64 MB of fp32): bounds the temporary a batched cast makes."""
+
+
+def cast_batch(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """``[t.to(dtype) for t in tensors]``, bit for bit, in a few kernels.
+
+    Contiguous tensors of one device are concatenated into a flat buffer in groups of at most
+    :data:`_BATCH_ELEMENTS`, cast once per group, and handed back as views of the result: two
+    kernels per group instead of one per tensor (on a GPU, a launch is several microseconds of
+    host time). Other tensors (channels-last, strided) take ``.to``, which keeps their layout.
+    """
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    groups: dict[torch.device, list[list[int]]] = {}
+    sizes: dict[torch.device, int] = {}  # elements in each device's last group
+    for i, t in enumerate(tensors):
+        if not t.is_contiguous() or t.numel() == 0:
+            out[i] = t.to(dtype)
+            continue
+        device_groups = groups.setdefault(t.device, [[]])
+        n = t.numel()
+        if device_groups[-1] and sizes[t.device] + n > _BATCH_ELEMENTS:
+            device_groups.append([])
+            sizes[t.device] = 0
+        device_groups[-1].append(i)
+        sizes[t.device] = sizes.get(t.device, 0) + n
+    for device_groups in groups.values():
+        for group in device_groups:
+            members = [tensors[i] for i in group]
+            if len(members) == 1:
+                out[group[0]] = members[0].to(dtype)
+                continue
+            flat = torch._C._nn.flatten_dense_tensors(members).to(dtype)
+            for i, view in zip(group, torch._C._nn.unflatten_dense_tensors(flat, members)):
+                out[i] = view
+    return out  # type: ignore[return-value]
 
 
 def _dropper(cache: WeightCastCache, key: tuple[int, torch.dtype]) -> Any:

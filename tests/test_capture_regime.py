@@ -14,8 +14,10 @@ import torch.nn.functional as F
 
 import amprewrite
 from amprewrite import AmpRewriteError, Policy
-from amprewrite._capture import GRAD_KEY
+from amprewrite._capture import GRAD_KEY, capture_converted
 from amprewrite._eliminate_casts import cast_source
+
+from _graphs import weight_casts
 
 CPU_BF16 = Policy.autocast("cpu", torch.bfloat16)
 
@@ -150,8 +152,10 @@ def test_no_grad_region_is_inlined_and_trains(opt_level: str) -> None:
 
 
 def test_a_cast_is_not_shared_into_a_no_grad_region() -> None:
-    """A weight used inside and outside a no_grad region gets one cast per region: the cast
-    made under no_grad has no gradient for the consumer outside."""
+    """A weight used inside and outside a no_grad region: the graph keeps one cast per region
+    (a cast made under no_grad has no gradient for a consumer outside); the gathered weight
+    reads hoist both to the start of the forward, where they are one cast in the caller's
+    grad mode. Either way the weight's gradient is autocast's."""
 
     class Shared(nn.Module):
         def __init__(self) -> None:
@@ -167,9 +171,11 @@ def test_a_cast_is_not_shared_into_a_no_grad_region() -> None:
 
     model, x = Shared(), torch.randn(2, 4)
     gm = amprewrite.convert(model, (x,))
-    weight_casts = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "cast"
-                    and n.args[1].target == "lin.weight"]
-    assert len(weight_casts) == 2
+    ungathered = capture_converted(gm)
+    casts = [n for n in ungathered.graph.nodes if n.op == "call_method" and n.target == "cast"
+             and n.args[1].target == "lin.weight"]
+    assert sorted(n.meta.get(GRAD_KEY, True) for n in casts) == [False, True]
+    assert weight_casts(gm) == [("lin.weight", torch.bfloat16), ("lin.bias", torch.bfloat16)]
     gm(x).float().sum().backward()
     reference = Shared()
     reference.load_state_dict(model.state_dict())

@@ -71,7 +71,7 @@ def test_demo() -> None:
     sections = ["== rewritten graph (gm.code) ==", "== decisions (amprewrite.explain) ==",
                 "== one training step (amprewrite.audit) ==", "== accuracy vs fp32 =="]
     assert [out.index(s) for s in sections] == sorted(out.index(s) for s in sections)
-    assert "lm_head_weight_bf16 = _amp_weight_cache.cast(lm_head_weight, torch.bfloat16)" in out
+    assert "('lm_head.weight', torch.bfloat16)" in out and "lm_head_weight_bf16 = weights[" in out
     assert "softmax = torch.ops.aten.softmax.int(masked_fill, -1, dtype = torch.float32)" in out
     assert "linear_4        linear       lower             bf16   bf16  default table" in out
     assert "37 op nodes: 7 bf16, 4 f32, 26 passthrough; casts: 13 inserted" in out

@@ -92,9 +92,10 @@ def test_o2_graph() -> None:
     before = _state(model)
     gm = amprewrite.convert(model, (X,), opt_level="O2", dtype=torch.float16)
     code = gm.code
-    for weight in ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"):
-        assert f"{weight}_f16 = _amp_low_copies.get({weight}, torch.float16)" in code
-    assert "_amp_low_copies.get(norm_weight" not in code
+    for weight in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):
+        assert f"('{weight}', torch.float16, 'low copy')" in code  # read as stored fp16 copies
+        assert f"{weight.replace('.', '_')}_f16 = weights[" in code
+    assert "('norm.weight',)" in code and "('norm.weight', torch" not in code  # the fp32 master
     vals = {n.name: n.meta["val"].dtype for n in gm.graph.nodes
             if isinstance(n.meta.get("val"), torch.Tensor)}
     assert vals["x_f16"] == vals["linear"] == vals["gelu"] == torch.float16
@@ -182,3 +183,68 @@ def test_o3_owns_low_precision_copies(inputs: tuple | None) -> None:
     opt.step()
     assert _same_state(model, before)
     assert all(p.grad.dtype == torch.float16 for p in params)
+
+
+# -- type-correct by construction --------------------------------------------------------------
+class Fp32Meets(nn.Module):
+    """The O2 failures of real models: an fp32 activation the model makes on purpose meets a
+    low-precision weight (clip/dinov2: ``pixel_values.to(weight.dtype)``, traced in fp32), and
+    bloom's alibi: an fp32 bias in a ``baddbmm`` of low-precision activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.patch = nn.Conv2d(3, 8, 2, stride=2)
+        self.q = nn.Linear(8, 8)
+        self.register_buffer("alibi", torch.randn(1, 4, 4), persistent=False)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = self.patch(pixels.to(self.patch.weight.dtype)).flatten(2).transpose(1, 2)
+        q = self.q(x)
+        scores = torch.baddbmm(self.alibi.expand(q.shape[0], -1, -1), q, q.transpose(1, 2))
+        return scores.float().softmax(-1) @ x.float()
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O3"])
+def test_o2_o3_cast_what_meets_a_low_precision_weight(opt_level: str) -> None:
+    model, pixels = Fp32Meets(), torch.randn(2, 3, 4, 4)
+    before = _state(model)
+    gm = amprewrite.convert(model, (pixels,), opt_level=opt_level, dtype=torch.bfloat16)
+    ops = {str(n.target): n for n in gm.graph.nodes if n.op == "call_function"}
+    for name in ("aten.conv2d.default", "aten.baddbmm.default"):
+        node = ops[name]
+        dtypes = {a.meta["val"].dtype for a in node.all_input_nodes}
+        assert dtypes == {torch.bfloat16}, (name, dtypes)
+    if opt_level == "O2":
+        amprewrite.MasterWeights(gm, torch.optim.AdamW(gm.parameters()))
+    out = gm(pixels)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    out.sum().backward()
+    assert _same_state(model, before)  # gradients only; no weight of the model changed
+    with torch.no_grad():
+        reference = model(pixels)
+    assert (out - reference).abs().max() < 0.1 * reference.abs().max()
+
+
+def test_o0_keeps_same_dtype_conversions_as_aliases() -> None:
+    """O0 runs the graph exactly as the model: ``h.float()`` on an fp32 ``h`` is ``h`` itself
+    there (no copy node, which would change how autograd sums the gradients of h)."""
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            return (h.float() * 3 + h * h.float()).sum()
+
+    model, x = Twice(), torch.randn(4, 8)
+    gm = amprewrite.convert(model, (x,), opt_level="O0")
+    assert not any(n.target is torch.ops.aten._to_copy.default for n in gm.graph.nodes)
+    gm(x).backward()
+    got = model.lin.weight.grad.clone()
+    model.zero_grad()
+    model(x).backward()
+    assert torch.equal(got, model.lin.weight.grad)

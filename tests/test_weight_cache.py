@@ -21,7 +21,9 @@ bf16 = torch.bfloat16
 
 
 class WeightCasts(TorchDispatchMode):
-    """Counts dtype conversions whose source is one of ``weights`` (by storage).
+    """Counts the weights cast: dtype conversions whose source is one of ``weights`` (by
+    storage), and weights packed by a batched cast (``cat`` of their flat views, then one
+    conversion of the packed buffer).
 
     NB: under inference mode ``x.to(dtype)`` reaches the mode as ``aten.to.dtype``, not yet
     decomposed into ``_to_copy``."""
@@ -35,6 +37,8 @@ class WeightCasts(TorchDispatchMode):
         if func in (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype) and \
                 args[0].untyped_storage().data_ptr() in self.storages:
             self.count += 1
+        if func is torch.ops.aten.cat.default:
+            self.count += sum(t.untyped_storage().data_ptr() in self.storages for t in args[0])
         return func(*args, **(kwargs or {}))
 
 
@@ -61,7 +65,7 @@ def autocast_out(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor)
 
 
 def cache_of(gm: nn.Module) -> WeightCastCache:
-    return getattr(gm, CACHE_ATTR)
+    return gm.__dict__[CACHE_ATTR]
 
 
 @pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])

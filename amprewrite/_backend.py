@@ -32,7 +32,9 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ._capture import REGION_KEY, Region
-from ._convert import resolve_dtype
+from ._convert import model_device, resolve_dtype
+from ._fit_constants import TRACED_IN_FP32
+from ._hardware import warn_if_slow
 from ._pipeline import run_passes
 from ._meta import META_KEY
 from ._weight_cache import CACHE_ATTR
@@ -77,6 +79,7 @@ class AmpBackend:
         _adopt_example_values(gm)
         _tag_autocast_regions(gm)
         gm.meta.pop(META_KEY, None)
+        gm.meta[TRACED_IN_FP32] = True  # Dynamo ran the model's Python in fp32
         # NB: the backend runs inside a tracing context whose fake mode is not the one of the
         # graph's example values; the passes must re-run nodes in the values' own mode.
         with torch._guards.tracing(None):
@@ -146,6 +149,7 @@ def compile(model: nn.Module, *, policy: Policy | None = None, dtype: torch.dtyp
     amp = backend(policy, dtype, eager=eager)
     if amp.dtype is None:
         amp.dtype = resolve_dtype(model, policy, None)
+    warn_if_slow(model_device(model, None, None), amp.dtype)
     _check_module_overrides(model, policy)
     compiled = torch.compile(model, backend=amp, dynamic=dynamic, fullgraph=fullgraph)
     # NB: object.__setattr__, not setattr: the compiled wrapper forwards nn.Module attributes.

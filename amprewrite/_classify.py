@@ -132,7 +132,7 @@ class ClassifyPass(PassBase):
         by_table = policy.table_rule(key, overload_key(node)) or policy.composite_rule(key)
         if by_table is not None:
             return by_table
-        return OpCategory.PASSTHROUGH, "not listed"
+        return policy.unlisted_rule(key)
 
     def _region(self, node: fx.Node) -> Region | None:
         """The model's own autocast region around ``node``, if it applies under this policy:

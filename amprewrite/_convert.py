@@ -15,6 +15,8 @@ from ._capture import capture_converted, capture_symbolic, is_converted, propaga
 from ._classify import module_paths
 from ._errors import AmpRewriteError
 from ._export import Regime, capture_export
+from ._fast_calls import recompile_with_bindings
+from ._hardware import warn_if_slow
 from ._meta import META_KEY
 from ._opt_levels import apply_opt_level, check_opt_level, low_precision_twin
 from ._pipeline import run_passes
@@ -22,7 +24,7 @@ from ._state import preserved_global_state
 from ._weights import gather_weights
 from .policy import Policy, check_low_dtype
 
-__all__ = ["convert", "resolve_dtype"]
+__all__ = ["convert", "model_device", "resolve_dtype"]
 
 _CAPTURES = ("auto", "symbolic", "export")
 
@@ -94,9 +96,12 @@ def convert(
         raise ValueError("amprewrite.convert(capture='export') needs example_inputs=(...)")
     check_opt_level(opt_level, policy, dtype)
     low = resolve_dtype(model, policy, dtype)
+    if opt_level != "O0":
+        warn_if_slow(model_device(model, example_inputs, example_kwargs), low)
     with preserved_global_state():
-        return _capture_and_rewrite(model, example_inputs, example_kwargs, policy, low, capture,
-                                    opt_level)
+        gm = _capture_and_rewrite(model, example_inputs, example_kwargs, policy, low, capture,
+                                  opt_level)
+        return recompile_with_bindings(gm)
 
 
 def _capture_and_rewrite(model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None,
@@ -163,7 +168,7 @@ def _regime(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, policy
     reads off tensors are the ones the converted graph computes (see :mod:`._export`)."""
     if opt_level == "O0":
         return None
-    device = _device_type(model, args, kwargs)
+    device = model_device(model, args, kwargs).type
     if policy.device_type is not None and policy.device_type != device:
         return None  # the preset casts nothing on this device
     if not torch.amp.is_autocast_available(device) or \
@@ -172,16 +177,17 @@ def _regime(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, policy
     return device, low
 
 
-def _device_type(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None) -> str:
+def model_device(model: nn.Module, args: tuple | None,
+                 kwargs: dict[str, Any] | None) -> torch.device:
     """Where the model computes: its first floating parameter's device, else its first
-    tensor input's."""
+    tensor input's, else the CPU."""
     for p in model.parameters():
         if p.is_floating_point():
-            return p.device.type
-    for leaf in torch.utils._pytree.tree_leaves((args, kwargs or {})):
+            return p.device
+    for leaf in torch.utils._pytree.tree_leaves((args or (), kwargs or {})):
         if isinstance(leaf, torch.Tensor):
-            return leaf.device.type
-    return "cpu"
+            return leaf.device
+    return torch.device("cpu")
 
 
 def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:

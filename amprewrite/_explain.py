@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ._hardware import describe, slow_reason
 from ._meta import META_KEY, cast_info, decision
 from ._tables import OpCategory
 
@@ -113,8 +114,10 @@ def explain_records(target: Any) -> list[dict[str, Any]]:
     for title, gm in _graphs(target):
         policy, low = gm.meta["amprewrite_policy"]
         rows = [r for r in map(_row, gm.graph.nodes) if r is not None]
+        device = _graph_device(gm)
         out.append({"graph": title, "policy": _policy_name(policy),
-                    "low_dtype": short_dtype(low), "nodes": rows,
+                    "low_dtype": short_dtype(low), "hardware": describe(device),
+                    "fast_low_dtype": slow_reason(device, low) is None, "nodes": rows,
                     "summary": _summary(gm, rows)})
     return out
 
@@ -133,14 +136,30 @@ def explain(target: Any) -> str:
     """
     parts = []
     for rec in explain_records(target):
+        slow = "" if rec["fast_low_dtype"] else \
+            f"; no fast {rec['low_dtype']} kernels here, expect it slower than fp32"
         lines = [f"== {rec['graph']} ==" if rec["graph"] else "",
-                 f"policy: {rec['policy']}, low dtype {rec['low_dtype']}"]
+                 f"policy: {rec['policy']}, low dtype {rec['low_dtype']}",
+                 f"hardware: {rec['hardware']}{slow}"]
         rows = [[r[c] if c != "casts" else (", ".join(r[c]) or "-") for c in _COLUMNS]
                 for r in rec["nodes"]]
         lines += _table(_COLUMNS, rows)
         lines.append(_summary_line(rec["summary"]))
         parts.append("\n".join(line for line in lines if line))
     return "\n\n".join(parts)
+
+
+def _graph_device(gm: fx.GraphModule) -> torch.device:
+    """Where the graph computes: its first floating parameter or buffer, else its first
+    placeholder's example value, else the CPU."""
+    for t in (*gm.parameters(), *gm.buffers()):
+        if t.is_floating_point():
+            return t.device
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.device
+    return torch.device("cpu")
 
 
 def _policy_name(policy: Any) -> str:

@@ -46,6 +46,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ._capture import GRAD_KEY, REGION_KEY, Region
+from ._fit_constants import TRACED_IN_FP32
 from ._errors import AmpRewriteError
 
 __all__ = ["capture_export", "Regime", "GRAD_MODE_FUNCTIONS"]
@@ -86,8 +87,10 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
             f"torch.autocast{regime} ({type(exc).__name__}: {_first_line(exc)}); it was traced "
             "in fp32, so dtypes the model reads off its tensors (x.to(y.dtype), "
             "torch.finfo(x.dtype)) are recorded as fp32.", stacklevel=3)
+        regime = None
     unlifted = ep.module()
     gm = fx.GraphModule(unlifted, unlifted.graph, class_name=type(model).__name__)
+    gm.meta[TRACED_IN_FP32] = regime is None
     _inline_regions(gm)
     _drop_dtype_assertions(gm)
     if faithful:

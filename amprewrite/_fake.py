@@ -10,7 +10,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.node import map_aggregate
 
-__all__ = ["fake_run", "fake_state", "val_of", "same_val"]
+__all__ = ["fake_run", "fake_state", "graph_fake_mode", "val_of", "same_val"]
 
 
 def fake_state(module: torch.nn.Module, mode: Any) -> contextlib.AbstractContextManager:
@@ -32,10 +32,23 @@ def val_of(x: Any) -> Any:
 
 
 def fake_run(gm: fx.GraphModule, node: fx.Node) -> Any:
-    """The value ``node`` computes when run on its inputs' ``meta["val"]`` (fake tensors)."""
-    args, kwargs = val_of(node.args), val_of(node.kwargs)
+    """The value ``node`` computes when run on its inputs' ``meta["val"]`` (fake tensors).
+
+    A ``get_attr`` input without a value is the attribute itself: the branch GraphModules of a
+    ``torch.cond``, which the higher-order op calls on the fake tensors."""
+    def value(a: Any) -> Any:
+        if isinstance(a, fx.Node) and a.op == "get_attr" and a.meta.get("val") is None:
+            obj: Any = gm
+            for part in str(a.target).split("."):
+                obj = getattr(obj, part)
+            return obj
+        return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+    args, kwargs = map_aggregate(node.args, value), map_aggregate(node.kwargs, value)
     flat = [v for v in torch.utils._pytree.tree_leaves((args, kwargs))]
-    mode = detect_fake_mode(flat)
+    # NB: an op without tensor inputs (arange, zeros) must still make a fake tensor: a real
+    # one in meta["val"] would meet fake ones downstream. Such ops run in the graph's mode.
+    mode = detect_fake_mode(flat) or graph_fake_mode(gm)
     ctx = mode if mode is not None else contextlib.nullcontext()
     try:
         with ctx:
@@ -59,6 +72,12 @@ def fake_run(gm: fx.GraphModule, node: fx.Node) -> Any:
         with ctx:
             return node.meta["val"].to(out.dtype)
     raise ValueError(f"fake_run: cannot run {node.format_node()}")
+
+
+def graph_fake_mode(gm: fx.GraphModule) -> Any:
+    """The fake mode of the graph's placeholder values, or None."""
+    vals = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+    return detect_fake_mode(torch.utils._pytree.tree_leaves(vals))
 
 
 def _concrete_meta(x: Any) -> Any:

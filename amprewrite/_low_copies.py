@@ -26,6 +26,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from ._errors import AmpRewriteError
+from ._weight_cache import cast_batch
 
 __all__ = ["LowPrecisionCopies", "LOW_COPIES_ATTR"]
 
@@ -66,8 +67,6 @@ class _MasterGradMany(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        from ._weight_cache import cast_batch
-
         present = [i for i, g in enumerate(grads) if g is not None]
         up: list[torch.Tensor | None] = [None] * len(grads)
         for dtype in set(ctx.dtypes[i] for i in present):
@@ -116,7 +115,9 @@ class LowPrecisionCopies:
             # A compiler sees plain casts (the same values: copies are the masters cast),
             # which it can fuse; the store's Python bookkeeping would break its graph.
             return [m.to(dtype) for m in masters]
-        if any(m.dtype == dtype or _tracing(m) for m in masters):
+        # NB: tracing is a property of the call, not of a master: checked once (it looks at
+        # the dispatch mode stack, which costs microseconds).
+        if masters and (_tracing(masters[0]) or any(m.dtype == dtype for m in masters)):
             return [self.get(m, dtype) for m in masters]
         training = [i for i, m in enumerate(masters) if m.requires_grad] \
             if torch.is_grad_enabled() else []
@@ -124,9 +125,12 @@ class LowPrecisionCopies:
             self.get(masters[training[0]], dtype)  # raises the unbound-optimizer error
         out = [self._current(m, dtype) for m in masters]
         if training:
-            tracked = _MasterGradMany.apply(len(training), *[masters[i] for i in training],
-                                            *[out[i] for i in training])
-            for i, t in zip(training, tracked):
+            # NB: one node for all pairs on every device (unlike O1's weight casts): the
+            # copies exist already, and tying them to their masters one by one would cost a
+            # Python autograd.Function each.
+            made = _MasterGradMany.apply(len(training), *[masters[i] for i in training],
+                                         *[out[i] for i in training])
+            for i, t in zip(training, made):
                 out[i] = t
         return out
 

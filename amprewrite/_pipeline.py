@@ -1,4 +1,5 @@
-"""The pass pipeline of a conversion: decompose, classify, insert casts, eliminate casts."""
+"""The pass pipeline of a conversion: decompose, classify, insert casts, fit constants,
+eliminate casts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from ._classify import ClassifyPass
 from ._decompose import DecomposeCompositesPass
 from ._eliminate_casts import EliminateCastsPass, _report
 from ._errors import AmpRewriteError
+from ._fit_constants import FitConstantsPass
 from ._insert_casts import InsertCastsPass
 from ._meta import cast_info
 from .policy import Policy
@@ -20,7 +22,7 @@ __all__ = ["amp_passes", "run_passes"]
 def amp_passes(policy: Policy, dtype: torch.dtype) -> list:
     """The graph-to-graph steps of a conversion, in order (each is idempotent)."""
     return [DecomposeCompositesPass(policy), ClassifyPass(policy, dtype),
-            InsertCastsPass(policy, dtype), EliminateCastsPass(policy)]
+            InsertCastsPass(policy, dtype), FitConstantsPass(), EliminateCastsPass(policy)]
 
 
 def run_passes(gm: fx.GraphModule, policy: Policy, dtype: torch.dtype, *,

@@ -257,6 +257,16 @@ class Policy:
             return None
         return category, f"{self.preset} table (composite kept whole)"
 
+    def unlisted_rule(self, key: str) -> tuple[OpCategory, str]:
+        """The rule for an op no table lists. It runs as it comes, except under O2/O3 for a
+        ``torch.library`` op of another namespace (``"namespace::name"``, e.g. a fused MoE
+        matmul): O2/O3 store weights in the low dtype, so such an op can meet a low weight
+        and an fp32 activation, which ATen ops would promote and custom kernels reject. Its
+        floating inputs are cast to the widest of them (as autocast's promote list does)."""
+        if self.preset in ("O2", "O3") and "::" in key:
+            return OpCategory.PROMOTE, f"{self.preset}: custom op, one dtype for its inputs"
+        return OpCategory.PASSTHROUGH, "not listed"
+
     def op_override(self, key: str) -> OpCategory | None:
         return dict(self.op_overrides).get(key)
 

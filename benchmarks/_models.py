@@ -1,34 +1,62 @@
-"""The benchmark's models and input shapes.
+"""The benchmark's models and input shapes, at two sizes.
 
 NB: the HF models get an explicit padding mask. Without one, HF's eager code skips the mask
 after looking at the input's values, which a captured graph cannot do; the two would then
 run different computations.
 
-Five models, each with three input shapes: a *single* request and a small *serving* batch
-(where re-casting weights on every forward is a large part of the cost), and a *large* batch
-(more tokens per weight, where it is not). ``--quick`` keeps the first two. Weights are random and nothing is downloaded. Dropout is 0 and every model is put in
+``small`` (the default, sized for a CPU): each model runs a *single* request and a small
+*serving* batch (where re-casting weights on every forward is a large part of the cost), and
+a *large* batch (more tokens per weight, where it is not). ``realistic`` (for a GPU): the
+transformers at BERT-base / GPT-2-small size (12 layers, d_model 768, 12 heads) on a single
+128-token request and a *batch* of 8 x 512 tokens, the MLP and CNN at a matching size.
+``quick`` keeps at most the first two shapes of each model; shapes can also be chosen by
+label.
+
+The ``launch`` model is the same at both sizes: 50 tiny blocks at batch 2, where every op
+costs far less than launching it, the regime of eager GPU training of small models, in which
+per-op CPU overhead (casts included) decides the step time.
+
+Weights are random and nothing is downloaded. Dropout is 0 and every model is put in
 ``eval()``, so that all variants compute the same function in forward and backward.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["Case", "build_cases", "first_tensor"]
+__all__ = ["Case", "MODEL_KEYS", "SHAPE_LABELS", "SIZES", "build_case", "describe",
+           "first_tensor"]
+
+SIZES = ("small", "realistic")
 
 
 @dataclasses.dataclass
 class Case:
     """One model with the inputs of each shape (``shapes[name] = (args, description)``)."""
 
+    key: str
     name: str
     model: nn.Module
     shapes: dict[str, tuple[tuple[Any, ...], str]]
+
+
+class LaunchBound(nn.Module):
+    """``depth`` pre-norm residual blocks ``x + Linear(LayerNorm(x))`` of width ``width``."""
+
+    def __init__(self, width: int = 8, depth: int = 50) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(depth))
+        self.fcs = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for norm, fc in zip(self.norms, self.fcs):
+            x = x + fc(norm(x))
+        return x
 
 
 class MLP(nn.Module):
@@ -121,19 +149,45 @@ class HFEncoder(nn.Module):
         return self.model(input_ids=ids, attention_mask=mask).last_hidden_state
 
 
-def _hf(kind: str) -> nn.Module:
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+    """Transformer dimensions of one size; ``vocab[model key]``."""
+
+    layers: int
+    d_model: int
+    heads: int
+    max_len: int
+    vocab: dict[str, int]
+
+    @property
+    def label(self) -> str:
+        return f"{self.layers}L d{self.d_model}"
+
+
+_TRANSFORMER = {
+    "small": _Dims(4, 256, 4, 512, {"gpt": 4096, "bert": 8192, "gpt2": 8192}),
+    # BERT-base's and GPT-2's vocabularies; the GPT stack's is GPT-2's padded to a multiple
+    # of 64, as GPT training code pads it for the GPU.
+    "realistic": _Dims(12, 768, 12, 1024, {"gpt": 50304, "bert": 30522, "gpt2": 50257}),
+}
+
+
+def _hf(kind: str, dims: _Dims) -> nn.Module:
     import transformers
 
-    common = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                  intermediate_size=1024, vocab_size=8192, max_position_embeddings=512,
-                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     if kind == "bert":
-        config = transformers.BertConfig(**common)
+        # BERT's learned positions end at 512, the longest sequence benchmarked.
+        config = transformers.BertConfig(
+            hidden_size=dims.d_model, num_hidden_layers=dims.layers,
+            num_attention_heads=dims.heads, intermediate_size=4 * dims.d_model,
+            vocab_size=dims.vocab["bert"], max_position_embeddings=512,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         config._attn_implementation = "eager"
         return HFEncoder(transformers.BertModel(config, add_pooling_layer=False))
-    config = transformers.GPT2Config(n_embd=256, n_layer=4, n_head=4, n_inner=1024,
-                                     vocab_size=8192, n_positions=512, resid_pdrop=0.0,
-                                     embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    config = transformers.GPT2Config(
+        n_embd=dims.d_model, n_layer=dims.layers, n_head=dims.heads, n_inner=4 * dims.d_model,
+        vocab_size=dims.vocab["gpt2"], n_positions=dims.max_len, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
     config._attn_implementation = "eager"
     return HFEncoder(transformers.GPT2Model(config))
 
@@ -150,30 +204,96 @@ def _padded(batch: int, seq: int, vocab: int, device: str) -> tuple[torch.Tensor
     return _ids(batch, seq, vocab, device)[0], mask
 
 
-def build_cases(device: str, quick: bool) -> list[Case]:
-    """The models on ``device`` with their single-request, serving and large input shapes."""
+def _features(batch: int, features: int, device: str) -> tuple[torch.Tensor]:
+    return (torch.randn(batch, features, device=device),)
+
+
+def _images(batch: int, side: int, device: str) -> tuple[torch.Tensor]:
+    return (torch.randn(batch, 3, side, side, device=device),)
+
+
+Shapes = tuple[tuple[str, int, int], ...]
+"""``(label, batch, size)`` per shape; size is features, image side or tokens."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """How to build one model and its inputs: ``inputs(batch, size, device)``."""
+
+    name: str
+    model: Callable[[], nn.Module]
+    inputs: Callable[[int, int, str], tuple]
+    shapes: Shapes
+    unit: str
+
+
+def _specs(size: str) -> dict[str, _Spec]:
+    dims = _TRANSFORMER[size]
+    if size == "small":
+        tokens: Shapes = (("single", 1, 32), ("serving", 2, 64), ("large", 8, 64))
+        mlp, mlp_shapes = (512, 1024), (("single", 1, 512), ("serving", 4, 512),
+                                        ("large", 256, 512))
+        cnn, cnn_shapes = 64, (("single", 1, 32), ("serving", 2, 32), ("large", 16, 32))
+    else:
+        tokens = (("single", 1, 128), ("batch", 8, 512))
+        # 4096 rows: as many as the transformers' batch has tokens
+        mlp, mlp_shapes = (1024, 4096), (("single", 1, 1024), ("batch", 4096, 1024))
+        cnn, cnn_shapes = 128, (("single", 1, 224), ("batch", 8, 224))
+
+    def tokens_of(key: str) -> Callable[[int, int, str], tuple]:
+        vocab = dims.vocab[key]
+        if key == "gpt":
+            return lambda b, s, d: _ids(b, s, vocab, d)
+        return lambda b, s, d: _padded(b, s, vocab, d)
+
+    # The launch model's one shape is a small batch: "serving" among the small shapes.
+    launch_label = "serving" if size == "small" else "batch"
+    return {
+        "launch": _Spec("Launch-bound 50x(LN+Linear) d8", LaunchBound, _features,
+                        ((launch_label, 2, 8),), "feat"),
+        "mlp": _Spec(f"MLP 4x{mlp[1]}", lambda: MLP(*mlp), _features, mlp_shapes, "feat"),
+        "cnn": _Spec(f"CNN (ResNet-ish, {cnn}ch)", lambda: CNN(cnn), _images, cnn_shapes,
+                     "img"),
+        "gpt": _Spec(f"GPT stack {dims.label}",
+                     lambda: GPT(dims.vocab["gpt"], dims.d_model, dims.heads, dims.layers,
+                                 dims.max_len), tokens_of("gpt"), tokens, "tok"),
+        "bert": _Spec(f"HF BertModel {dims.label}", lambda: _hf("bert", dims),
+                      tokens_of("bert"), tokens, "tok"),
+        "gpt2": _Spec(f"HF GPT2Model {dims.label}", lambda: _hf("gpt2", dims),
+                      tokens_of("gpt2"), tokens, "tok"),
+    }
+
+
+MODEL_KEYS = tuple(_specs("small"))
+SHAPE_LABELS = ("single", "serving", "large", "batch")
+
+
+def describe(key: str, size: str, quick: bool, labels: Collection[str] | None
+             ) -> tuple[str, list[str]]:
+    """The name of model ``key`` at ``size`` and the descriptions of its chosen shapes (see
+    :func:`build_case`), without building it."""
+    spec = _specs(size)[key]
+    return spec.name, [f"{b}x{s} {spec.unit}" for _, b, s in _chosen(spec, quick, labels)]
+
+
+def _chosen(spec: _Spec, quick: bool, labels: Collection[str] | None) -> Shapes:
+    shapes = spec.shapes[:2] if quick else spec.shapes
+    return tuple(s for s in shapes if labels is None or s[0] in labels)
+
+
+def build_case(key: str, size: str, device: str, quick: bool,
+               labels: Collection[str] | None = None) -> Case:
+    """Model ``key`` at ``size`` on ``device``, with the inputs of its shapes: at most two
+    if ``quick``, and only those whose label is in ``labels`` when given. Seeded, so that
+    every run builds the same weights and inputs."""
     torch.manual_seed(0)
-    cases: list[Case] = []
-
-    def add(name: str, model: nn.Module, make: Callable[[int, int], tuple],
-            shapes: tuple[tuple[int, int], ...], unit: str) -> None:
-        model = model.to(device).eval()
-        labels = ("single", "serving", "large")
-        chosen = list(zip(labels, shapes))[:2 if quick else 3]
-        cases.append(Case(name, model, {label: (make(*shape), f"{shape[0]}x{shape[1]} {unit}")
-                                        for label, shape in chosen}))
-
-    add("MLP 4x1024", MLP(), lambda b, _: (torch.randn(b, 512, device=device),),
-        ((1, 512), (4, 512), (256, 512)), "feat")
-    add("CNN (ResNet-ish, 64ch)", CNN(),
-        lambda b, s: (torch.randn(b, 3, s, s, device=device),), ((1, 32), (2, 32), (16, 32)),
-        "img")
-    add("GPT stack 4L d256", GPT(), lambda b, s: _ids(b, s, 4096, device),
-        ((1, 32), (2, 64), (8, 64)), "tok")
-    for kind, label in (("bert", "HF BertModel 4L d256"), ("gpt2", "HF GPT2Model 4L d256")):
-        add(label, _hf(kind), lambda b, s: _padded(b, s, 8192, device),
-            ((1, 32), (2, 64), (8, 64)), "tok")
-    return cases
+    spec = _specs(size)[key]
+    # Built on the device: initialising a 100M-parameter model on the host takes seconds.
+    with torch.device(device):
+        model = spec.model().eval()
+    return Case(key, spec.name, model,
+                {label: (spec.inputs(b, s, device), f"{b}x{s} {spec.unit}")
+                 for label, b, s in _chosen(spec, quick, labels)})
 
 
 def first_tensor(out: Any) -> torch.Tensor:

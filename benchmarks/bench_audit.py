@@ -6,6 +6,7 @@ includes reading the statistics back and building the report (the ``with`` block
 
     python benchmarks/bench_audit.py                 # print the table
     python benchmarks/bench_audit.py --update-md     # also replace the block in BENCHMARKS.md
+    python benchmarks/bench_audit.py --device cuda --update-md   # GPU (fp16), its own block
 """
 
 from __future__ import annotations
@@ -40,12 +41,15 @@ class MLP(nn.Module):
         return self.head(self.norm(x)).log_softmax(-1)
 
 
-def _step(model: nn.Module, x: torch.Tensor, autocast: bool) -> Callable[[], None]:
+def _step(model: nn.Module, x: torch.Tensor, autocast: bool,
+          dtype: torch.dtype) -> Callable[[], None]:
     def run() -> None:
         model.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(x.device.type, dtype=dtype, enabled=autocast):
             out = model(x)
         out.float().sum().backward()
+        if x.is_cuda:  # the clock must see the GPU's work, not just its launch
+            torch.cuda.synchronize()
     return run
 
 
@@ -76,18 +80,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()],
                         help="intra-op thread counts to measure (one table row set each)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cpu measures bf16, cuda fp16")
     parser.add_argument("--update-md", action="store_true",
-                        help="replace the audit block of BENCHMARKS.md with the results")
+                        help="replace this device's audit block of BENCHMARKS.md with the results")
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = MLP(args.width, args.depth)
-    x = torch.randn(args.batch, args.width)
-    converted = amprewrite.convert(model, (x,), dtype=torch.bfloat16)
+    dtype = torch.bfloat16 if args.device == "cpu" else torch.float16
+    low = "bf16" if dtype == torch.bfloat16 else "fp16"
+    model = MLP(args.width, args.depth).to(args.device)
+    x = torch.randn(args.batch, args.width, device=args.device)
+    converted = amprewrite.convert(model, (x,), dtype=dtype)
     cases = [
-        ("eager fp32", _step(model, x, False), False),
-        ("eager, torch.autocast bf16", _step(model, x, True), False),
-        ("converted bf16", _step(converted, x, False), False),
-        ("converted bf16, aggregate=True", _step(converted, x, False), True),
+        ("eager fp32", _step(model, x, False, dtype), False),
+        (f"eager, torch.autocast {low}", _step(model, x, True, dtype), False),
+        (f"converted {low}", _step(converted, x, False, dtype), False),
+        (f"converted {low}, aggregate=True", _step(converted, x, False, dtype), True),
     ]
     rows = []
     for threads in args.threads:
@@ -105,12 +113,18 @@ def main() -> None:
                  "overhead"], tablefmt="github")
     command = "python benchmarks/bench_audit.py " + " ".join(sys.argv[1:])
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    machine = (f"CPU ({_cpu_name()}), "
-               f"{os.cpu_count()} cores, torch {torch.__version__}; 1-minute load average "
-               f"{load:.1f} at the end (other processes shared the cores)")
+    if args.device == "cuda":
+        machine = (f"{torch.cuda.get_device_name()} (compute capability "
+                   f"{'.'.join(map(str, torch.cuda.get_device_capability()))}), CUDA "
+                   f"{torch.version.cuda}, torch {torch.__version__}")
+    else:
+        machine = (f"CPU ({_cpu_name()}, capability {torch.backends.cpu.get_cpu_capability()}), "
+                   f"{os.cpu_count()} cores, torch {torch.__version__}; 1-minute load average "
+                   f"{load:.1f} at the end (other processes shared the cores)")
+    begin, end = _markers(args.device)
     block = "\n".join([
-        _BEGIN,
-        "## Auditor overhead (`amprewrite.audit()`)",
+        begin,
+        f"## Auditor overhead (`amprewrite.audit()`), {args.device}",
         "",
         f"MLP: {args.depth} x Linear({args.width}, {args.width}) + ReLU + residual, LayerNorm, "
         f"head; batch {args.batch}. One step = zero_grad + forward + backward; audited steps "
@@ -129,11 +143,16 @@ def main() -> None:
         "times faster than fp32 ones. The largest remaining cost is the exponent histogram "
         "(torch.bincount, single-threaded on CPU). The machine is shared: single timings vary "
         "between runs; the ratios, measured side by side, by about +-20%.",
-        _END,
+        end,
     ])
     print(block)
     if args.update_md:
-        _update(block)
+        _update(block, begin, end)
+
+
+def _markers(device: str) -> tuple[str, str]:
+    return (_BEGIN, _END) if device == "cpu" else \
+        (f"<!-- audit-{device}:begin -->", f"<!-- audit-{device}:end -->")
 
 
 def _cpu_name() -> str:
@@ -147,10 +166,10 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _update(block: str) -> None:
+def _update(block: str, begin: str, end: str) -> None:
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "BENCHMARKS.md")
     text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    pattern = re.compile(re.escape(_BEGIN) + ".*?" + re.escape(_END), re.S)
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
     if pattern.search(text):
         text = pattern.sub(lambda _: block, text)
     else:

@@ -1,324 +1,359 @@
-"""Speed and cast counts of amprewrite against torch.autocast, side by side in one process.
+"""Speed, casts and memory of amprewrite against torch.autocast, side by side in one process.
 
     python benchmarks/bench_speed.py            # full run (CPU bf16), writes BENCHMARKS.md
-    python benchmarks/bench_speed.py --quick    # smoke run: serving shapes, few rounds
-    python benchmarks/bench_speed.py --device cuda --dtype fp16 [--compile]
+    python benchmarks/bench_speed.py --quick --no-write --models launch,mlp   # smoke run
+    python benchmarks/bench_speed.py --device cuda --dtype fp16 --size realistic \\
+        --markdown-section cuda-fp16 --budget-s 210
+    python benchmarks/bench_speed.py --device cuda --compile --size realistic --shapes batch \\
+        --models gpt,launch --variants autocast,preset,default,O3 --markdown-section cuda-compile
 
-Variants: fp32 eager, ``torch.autocast`` eager, amprewrite with the autocast preset (same
-numerics as autocast, checked bitwise here) and amprewrite with the default policy (CUDA AMP
-rules, shared activation casts). Phases: inference forward under ``torch.no_grad`` and a
-training step (forward, loss, backward). Speed is the median over rounds of torch.autocast's
-time divided by the variant's (> 1: faster than autocast); cast kernels are counted exactly with
-a dispatch mode. Only the block between the ``speed`` markers of BENCHMARKS.md is (re)written.
+Variants: ``fp32`` eager; ``autocast``: ``torch.autocast``; ``preset``: amprewrite with
+``Policy.autocast(device, dtype)`` (autocast's numerics, checked bitwise here); ``default``:
+amprewrite with ``Policy(dtype=...)`` (CUDA AMP rules, shared activation casts); ``O2`` and
+``O3``: ``convert(..., opt_level="O2"/"O3", dtype=...)`` (low-precision weights with fp32
+masters; everything in low precision on the module's own weights).
+
+Phases: an inference forward under ``torch.no_grad``, and a training step: forward, loss
+(outside autocast, as the AMP recipes take it), backward, ``optimizer.step()`` and
+``optimizer.zero_grad()``. Every variant steps its own optimizer, of the same kind, over its
+own parameters: O2's are the fp32 masters bound with ``amprewrite.MasterWeights`` (the step
+refreshes their low-precision copies, a cost of O2), O3's are its own low-precision weights.
+There is no loss scaler: O3's fp16 weights cannot use one, and every variant runs the same
+step.
+
+fp32, autocast, preset, default and O2 all train the model's own parameters, so each of
+their steps moves the weights that the others then run on. Two choices keep that harmless:
+the learning rate is 1e-6, so that the weights barely move while the variants are timed
+(the work of a step does not depend on the values, barring inf and NaN), and the shared
+weights are restored after each training phase, so that every shape and phase starts from
+the same weights and a step that overflowed cannot spoil the next measurement. A copy of the
+model per variant would avoid the sharing, at the price of one more model per variant in
+memory.
+
+Speed is the median over interleaved rounds of torch.autocast's time divided by the
+variant's (> 1: faster than autocast); cast kernels are counted exactly with a dispatch mode;
+on CUDA, the peak memory of one steady-state call is read from the caching allocator. Only
+the block between the ``<!-- NAME:begin/end -->`` markers of BENCHMARKS.md is (re)written,
+so runs on several devices and settings keep one block each.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import dataclasses
-import os
-import pathlib
-import platform
-import sys
 import time
-from typing import Any, Callable
 
-import torch
-import torch.nn as nn
+_START = time.perf_counter()  # the --budget-s clock starts before torch's import
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import gc  # noqa: E402
+import logging  # noqa: E402
+import pathlib  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import amprewrite  # noqa: E402
-from _models import Case, build_cases, first_tensor  # noqa: E402
-from _timing import CastCount, count_casts, interleaved_samples, median, paired_ratio  # noqa: E402
-
-BEGIN, END = "<!-- speed:begin -->", "<!-- speed:end -->"
-VARIANTS = ("fp32", "autocast", "amp preset", "amp default")
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclasses.dataclass
-class Row:
-    model: str
-    shape: str
-    phase: str
-    ms: dict[str, float]
-    vs_autocast: dict[str, float]
-    vs_autocast_min: dict[str, float]
-    casts: dict[str, CastCount]
-    bitwise: str
+from _models import MODEL_KEYS, SHAPE_LABELS, SIZES, Case, build_case, describe  # noqa: E402
+from _speed_report import Finisher, machine, title  # noqa: E402
+from _speed_types import (CONVERTED, LR, PHASES, VARIANTS, ConvertTime, Options,  # noqa: E402
+                          Report, Row, DTYPES, OPTIMIZERS)
+from _timing import (Budget, CastCount, count_casts, describe_error,  # noqa: E402
+                     interleaved_samples, median, paired_ratio, recover, step_memory_mb)
+from _variants import (bitwise_equal, callables, convert_variants, export_seconds,  # noqa: E402
+                       phase_fns, restored, run_error, runner)
 
 
-@dataclasses.dataclass
-class ConvertTime:
-    model: str
-    export_s: float | None
-    export_dynamic_s: float | None
-    convert_s: float | None
-    error: str = ""
+def _elapsed() -> float:
+    """Seconds since the process started (the clock of --budget-s)."""
+    return time.perf_counter() - _START
 
 
-def _runner(fn: Callable[..., Any], args: tuple, autocast: tuple[str, torch.dtype] | None
-            ) -> Callable[[], Any]:
-    if autocast is None:
-        return lambda: fn(*args)
+# -- measurement -----------------------------------------------------------------------------
+def _prepare(fns: dict[str, Callable[[], Any]], weights: list[torch.Tensor], opts: Options,
+             failed: dict[str, str]) -> tuple[dict[str, CastCount], dict[str, tuple[float, float]]]:
+    """Run each function to its steady state (weight copies made, lazy initialisation and
+    compilation done), then count its casts and, on CUDA, its memory. Functions that raise
+    go to ``failed``.
 
-    def run() -> Any:
-        with torch.autocast(autocast[0], autocast[1]):
-            return fn(*args)
-    return run
-
-
-def _train_step(run: Callable[[], Any], params: list[nn.Parameter]) -> Callable[[], Any]:
-    def step() -> Any:
-        for p in params:
-            p.grad = None
-        # The loss is taken outside autocast, as the AMP recipes do.
-        loss = first_tensor(run()).float().square().mean()
-        loss.backward()
-        return loss
-    return step
-
-
-def _inference(run: Callable[[], Any]) -> Callable[[], Any]:
-    def forward() -> Any:
-        with torch.no_grad():
-            return run()
-    return forward
-
-
-def _convert_all(case: Case, args: tuple, device: str, dtype: torch.dtype
-                 ) -> tuple[dict[str, nn.Module], ConvertTime]:
-    """Both amprewrite conversions, and the time of convert next to torch.export's."""
-    from amprewrite._capture import _auto_dynamic_shapes
-
-    export_s: dict[str, float | None] = {}
-    # convert exports with dynamic dimensions where the model allows (slower to trace).
-    for kind, dynamic in (("static", None), ("dynamic", _auto_dynamic_shapes(args, None))):
+    Casts are not counted under torch.compile: a dispatch mode makes compiled code fall back
+    to running eagerly, so the count would describe code that the timings do not run."""
+    casts, memory = {}, {}
+    device = opts.device
+    gc.collect()  # so that the peaks below hold no garbage of earlier phases
+    for name, fn in fns.items():
+        error = None
         try:
-            start = time.perf_counter()
-            torch.export.export(case.model, args, dynamic_shapes=dynamic, strict=False)
-            export_s[kind] = time.perf_counter() - start
-        except Exception as exc:  # report, keep going: the benchmark covers the other models
-            export_s[kind] = None
-            print(f"  torch.export ({kind}) failed on {case.name}: {type(exc).__name__}: "
-                  f"{exc}"[:300])
-    try:
-        start = time.perf_counter()
-        preset = amprewrite.convert(case.model, args,
-                                    policy=amprewrite.Policy.autocast(device, dtype))
-        convert_s = time.perf_counter() - start
-        default = amprewrite.convert(case.model, args, policy=amprewrite.Policy(dtype=dtype))
-    except Exception as exc:
-        message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        print(f"  amprewrite.convert failed on {case.name}: {message}"[:400])
-        return {}, ConvertTime(case.name, export_s["static"], export_s["dynamic"], None,
-                               message[:160])
-    return {"amp preset": preset, "amp default": default}, \
-        ConvertTime(case.name, export_s["static"], export_s["dynamic"], convert_s)
+            fn()
+            if not opts.compile:
+                casts[name] = count_casts(fn, weights)
+            used = step_memory_mb(fn, device)
+            if used is not None:
+                memory[name] = used
+        except Exception as exc:  # report it in the table; the other variants go on
+            error = describe_error(exc)
+        if error is not None:
+            failed[name] = error
+            recover(device)  # outside the except block: the traceback has let go by now
+    return casts, memory
 
 
-def _variant_fns(case: Case, converted: dict[str, nn.Module], args: tuple, device: str,
-                 dtype: torch.dtype, compile_: bool) -> dict[str, Callable[[], Any]]:
-    model: Callable[..., Any] = case.model
-    fns: dict[str, Callable[..., Any]] = {"fp32": model, "autocast": model, **converted}
-    if compile_:
-        compiled_model = torch.compile(model)
-        fns = {name: (compiled_model if name in ("fp32", "autocast") else torch.compile(m))
-               for name, m in fns.items()}
-    return {name: _runner(fn, args, (device, dtype) if name == "autocast" else None)
-            for name, fn in fns.items()}
+def _measure_phase(model: str, shape: str, phase: str, fns: dict[str, Callable[[], Any]],
+                   weights: list[torch.Tensor], opts: Options, deadline: float | None,
+                   failed: dict[str, str], bitwise: str) -> Row:
+    start = time.perf_counter()
+    casts, memory = _prepare(fns, weights, opts, failed)
+    setup_s = time.perf_counter() - start
+    samples = interleaved_samples({n: f for n, f in fns.items() if n not in failed},
+                                  opts.rounds, opts.device, deadline)
+    failed.update(samples.failed)
+    seconds = samples.seconds
+    ms = {n: median(s) * 1e3 for n, s in seconds.items()}
+    ref = seconds.get("autocast")
+    ratios = {n: paired_ratio(ref, s) for n, s in seconds.items()} if ref else {}
+    best = {n: min(ref) / min(s) for n, s in seconds.items()} if ref else {}
+    print(f"  {shape:12s} {phase:10s} set-up {setup_s:5.1f} s, {samples.rounds:2d} rounds  "
+          + "  ".join(
+        f"{n}={ms[n]:.2f}ms" + (f"({ratios[n]:.2f}x)" if n in ratios else "") +
+        (f"/{casts[n].kernels}c" if n in casts else "") for n in ms), flush=True)
+    for name, error in failed.items():
+        print(f"    {name} failed: {error}", flush=True)
+    return Row(model, shape, phase, samples.rounds, ms, ratios, best, casts, memory, bitwise,
+               dict(failed))
 
 
-def _bitwise(runs: dict[str, Callable[[], Any]]) -> str:
-    if "amp preset" not in runs:
-        return "-"
-    with torch.no_grad():
-        same = torch.equal(first_tensor(runs["autocast"]()), first_tensor(runs["amp preset"]()))
-    return "yes" if same else "NO"
-
-
-def _measure_shape(case: Case, shape: str, converted: dict[str, nn.Module], device: str,
-                   dtype: torch.dtype, rounds: int, compile_: bool) -> list[Row]:
+def _measure_shape(case: Case, shape: str, modules: dict[str, nn.Module],
+                   convert_errors: dict[str, str], opts: Options, deadline: float | None,
+                   report: Report) -> None:
     args, description = case.shapes[shape]
-    runs = _variant_fns(case, converted, args, device, dtype, compile_)
-    params = [p for p in case.model.parameters() if p.requires_grad]
-    weights = list(case.model.parameters()) + list(case.model.buffers())
-    rows = []
-    bitwise = _bitwise(runs)
-    for phase, wrap in (("inference", _inference), ("train step", None)):
-        fns = {name: (wrap(run) if wrap else _train_step(run, params))
-               for name, run in runs.items()}
-        casts = {}
-        for name, fn in fns.items():
-            fn()  # steady state: weight copies made, lazy initialisation done
-            casts[name] = count_casts(fn, weights)
-        samples = interleaved_samples(fns, rounds, device)
-        ratios = {n: paired_ratio(samples["autocast"], s) for n, s in samples.items()}
-        best = {n: min(samples["autocast"]) / min(s) for n, s in samples.items()}
-        rows.append(Row(case.name, description, phase,
-                        {n: median(s) * 1e3 for n, s in samples.items()}, ratios, best, casts,
-                        bitwise if phase == "inference" else "-"))
-        print(f"  {shape:8s} {phase:10s} " + "  ".join(
-            f"{n}={median(samples[n]) * 1e3:.2f}ms({ratios[n]:.2f}x)/{casts[n].kernels}c"
-            for n in fns), flush=True)
-    return rows
+    calls = callables(modules, opts.compile)
+    runs = {name: runner(calls[name], args,
+                          (opts.device, opts.dtype) if name == "autocast" else None)
+            for name in modules}
+    bitwise = bitwise_equal(runs)
+    # O3's own low-precision tensors count as weights too (none of them should be cast).
+    weights = [t for m in {id(m): m for m in modules.values()}.values()
+               for t in list(m.parameters()) + list(m.buffers())]
+    for i, phase in enumerate(PHASES):
+        report.progress = f"{case.name}, {description}, {phase}"
+        failed = dict(convert_errors)
+        # The phases left share what is left of this shape's time.
+        phase_deadline = None if deadline is None else \
+            time.perf_counter() + max(deadline - time.perf_counter(), 0.0) / (len(PHASES) - i)
+        with contextlib.ExitStack() as stack:
+            if phase == "train step":
+                stack.enter_context(restored(case.model))
+            fns = phase_fns(phase, runs, modules, opts, failed, stack)
+            report.rows.append(_measure_phase(
+                case.name, description, phase, fns, weights, opts, phase_deadline, failed,
+                bitwise if phase == "inference" else "-"))
 
 
-def _fits(converted: dict[str, nn.Module], args: tuple) -> bool:
-    """Whether the converted modules accept ``args`` (export may specialise shapes)."""
-    try:
-        with torch.no_grad():
-            for gm in converted.values():
-                gm(*args)
-        return True
-    except Exception:
-        return False
+def _fit(case: Case, shape: str, converted: dict[str, nn.Module], converted_for: dict[str, str],
+         errors: dict[str, str], opts: Options) -> None:
+    """Make the converted variants run on ``shape``'s inputs: reconvert with them those that
+    were converted for another shape (export may have specialised a dimension that this
+    shape changes). A variant that fails on the very shape it was converted for is dropped
+    for the rest of the model, its error kept in ``errors``: converting it again would
+    cost seconds and fail again."""
+    args = case.shapes[shape][0]
+    for name in [n for n in CONVERTED if n in converted]:
+        error = run_error(converted[name], args)
+        if error is not None and converted_for[name] != shape:
+            del converted[name]
+            modules, _, failed = convert_variants(case, args, [name], opts)
+            converted.update(modules)
+            errors.update(failed)
+            if name in modules:
+                converted_for[name] = shape
+                error = run_error(modules[name], args)
+        if error is not None and name in converted:
+            del converted[name]
+            errors[name] = error
+            recover(opts.device)
 
 
-def run(device: str, dtype: torch.dtype, rounds: int, quick: bool, compile_: bool
-        ) -> tuple[list[Row], list[ConvertTime]]:
-    rows: list[Row] = []
-    times: list[ConvertTime] = []
+def _measure_model(key: str, opts: Options, budget: Budget, report: Report) -> None:
+    name, descriptions = describe(key, opts.size, opts.quick, opts.shapes)
+    report.progress = f"{name}: building and converting"
+    print(f"[{_elapsed():4.0f} s] {name}", flush=True)
+    case = build_case(key, opts.size, opts.device, opts.quick, opts.shapes)
+    first = next(iter(case.shapes))
+    first_args = case.shapes[first][0]
+    names = [n for n in CONVERTED if n in opts.variants]
+    export_s = export_seconds(case.model, first_args, report, case.name)
+    converted, seconds, errors = convert_variants(case, first_args, names, opts)
+    converted_for = {n: first for n in converted}
+    report.times.append(ConvertTime(case.name, export_s, seconds, dict(errors)))
+    for i, shape in enumerate(case.shapes):
+        if budget.exhausted():
+            report.note(f"skipped for the time budget: {name} " + ", ".join(descriptions[i:]))
+            budget.units_left -= len(descriptions) - i
+            return
+        deadline = budget.next_deadline()
+        _fit(case, shape, converted, converted_for, errors, opts)
+        modules = {n: case.model for n in ("fp32", "autocast") if n in opts.variants}
+        modules.update({n: converted[n] for n in names if n in converted})
+        _measure_shape(case, shape, modules, {n: errors[n] for n in names if n in errors},
+                       opts, deadline, report)
+        budget.units_left -= 1
+
+
+def run(opts: Options, budget: Budget, report: Report) -> None:
+    """Measure every selected model in turn into ``report``; a model that fails, or does not
+    fit in the time budget, is noted and the run goes on."""
+    # Export warns when a dynamic dimension of size 1 is specialised; the benchmark then
+    # reconverts for the shapes that need it (_fit), so the warning is noise here.
+    logging.getLogger("torch._export.non_strict_utils").setLevel(logging.ERROR)
+    if opts.compile:
+        # Every variant compiles once per grad mode, autocast state and shape; Dynamo's
+        # default limit of 8 graphs per function would quietly run the rest eagerly.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     # torch.export's first call pays one-off imports and set-up; keep it out of the timings.
-    torch.export.export(nn.Linear(2, 2).to(device), (torch.randn(1, 2, device=device),),
-                        strict=False)
-    for case in build_cases(device, quick):
-        print(f"{case.name}", flush=True)
-        first_shape = next(iter(case.shapes))
-        converted, convert_time = _convert_all(case, case.shapes[first_shape][0], device, dtype)
-        times.append(convert_time)
-        for shape, (args, _) in case.shapes.items():
-            if converted and not _fits(converted, args):
-                converted, _ = _convert_all(case, args, device, dtype)
-            rows += _measure_shape(case, shape, converted, device, dtype, rounds, compile_)
-    return rows, times
+    torch.export.export(nn.Linear(2, 2).to(opts.device),
+                        (torch.randn(1, 2, device=opts.device),), strict=False)
+    for key in opts.models:
+        name, descriptions = describe(key, opts.size, opts.quick, opts.shapes)
+        if not descriptions:
+            report.note(f"{name} has none of the shapes {', '.join(opts.shapes or [])}")
+            continue
+        if budget.exhausted():
+            report.note(f"skipped for the time budget: {name} " + ", ".join(descriptions))
+            budget.units_left -= len(descriptions)
+            continue
+        units_before = budget.units_left
+        error = None
+        try:
+            _measure_model(key, opts, budget, report)
+        except Exception as exc:  # a model that cannot even be built must not end the run
+            error = describe_error(exc)
+        if error is not None:
+            report.note(f"{name} failed at {report.progress}: {error}")
+            budget.units_left = units_before - len(descriptions)
+        if opts.compile:
+            torch._dynamo.reset()  # the next model's graphs need none of these
+        recover(opts.device)
 
 
-# -- presentation ----------------------------------------------------------------------------
-def _ratio(row: Row, name: str) -> str:
-    if name not in row.ms:
-        return "-"
-    return f"{row.vs_autocast[name]:.2f} ({row.vs_autocast_min[name]:.2f})"
+def _keys(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in allowed]
+    if unknown or not keys:
+        raise argparse.ArgumentTypeError(
+            f"unknown {what} {', '.join(unknown) or '(none given)'}; choose from "
+            f"{', '.join(allowed)}")
+    return list(dict.fromkeys(keys))  # in the order given, once each
 
 
-def _triple(row: Row, get: Callable[[CastCount], Any]) -> str:
-    return " / ".join(str(get(row.casts[n])) if n in row.casts else "-"
-                      for n in ("autocast", "amp preset", "amp default"))
-
-
-def tables(rows: list[Row], times: list[ConvertTime]) -> tuple[str, str]:
-    from tabulate import tabulate
-
-    speed = tabulate(
-        [[r.model, r.shape, r.phase, f"{r.ms['fp32']:.2f}", f"{r.ms['autocast']:.2f}",
-          _ratio(r, "fp32"), _ratio(r, "amp preset"), _ratio(r, "amp default"),
-          _triple(r, lambda c: c.kernels), _triple(r, lambda c: c.weight_kernels),
-          _triple(r, lambda c: f"{c.nbytes / 1e6:.1f}"), r.bitwise] for r in rows],
-        headers=["model", "shape", "phase", "fp32 ms", "autocast ms", "fp32 vs ac",
-                 "preset vs ac", "default vs ac", "cast kernels ac/pre/def",
-                 "weight casts ac/pre/def", "cast MB ac/pre/def", "preset == ac"],
-        tablefmt="github")
-    def seconds(value: float | None) -> str:
-        return f"{value:.2f}" if value is not None else "failed"
-
-    convert = tabulate(
-        [[t.model, seconds(t.export_s), seconds(t.export_dynamic_s), seconds(t.convert_s),
-          t.error or ""] for t in times],
-        headers=["model", "torch.export s", "torch.export, dynamic dims s",
-                 "amprewrite.convert s (exports with dynamic dims)", "error"],
-        tablefmt="github")
-    return speed, convert
-
-
-def _machine(device: str) -> str:
-    if device == "cuda":
-        return f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = ", load average %.1f (shared machine)" % os.getloadavg()[0] if hasattr(
-        os, "getloadavg") else ""
-    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads{load}"
-
-
-def write_markdown(path: pathlib.Path, command: str, device: str, dtype: str, speed: str,
-                   convert: str) -> None:
-    block = "\n".join([
-        BEGIN,
-        "## Speed and casts against torch.autocast",
-        "",
-        f"Command: `{command}`  ",
-        f"Machine: {_machine(device)}; device {device}, {dtype}; torch {torch.__version__}.",
-        "",
-        "Times are medians of interleaved rounds in one process; `X vs ac` is the median over "
-        "rounds of torch.autocast's time divided by X's in the same round (above 1: faster than "
-        "autocast), and in parentheses the ratio of the fastest rounds, the steadier estimate "
-        "when other jobs share the machine. `preset` is amprewrite with "
-        "`Policy.autocast` (autocast's numerics; `preset == ac` checks the outputs bitwise), "
-        "`default` is `Policy()` (CUDA AMP rules, shared activation casts). Cast kernels are "
-        "`_to_copy`/`copy_` dtype conversions counted with a dispatch mode in one steady-state "
-        "forward (inference, `no_grad`) or training step (forward + backward, loss outside "
-        "autocast); cast MB = bytes read + written by them. Each model runs a single request, a "
-        "small serving batch (batch x features, images or tokens) and, for honesty, a larger "
-        "batch. Models are in "
-        "`eval()` with dropout 0; weights random.",
-        "",
-        speed,
-        "",
-        convert,
-        END,
-    ])
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--dtype", default=None, choices=tuple(_DTYPES),
-                        help="default: bf16 on cpu, fp16 on cuda")
+def _parser() -> argparse.ArgumentParser:
+    # The docstring's title, usage lines and variants.
+    parser = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:3]),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the models run (default: cpu)")
+    parser.add_argument("--dtype", default=None, choices=tuple(DTYPES),
+                        help="low-precision dtype (default: bf16 on cpu, fp16 on cuda)")
+    parser.add_argument("--size", default="small", choices=SIZES,
+                        help="small: 4-layer d256 transformers and small MLP/CNN, sized for "
+                        "a CPU; realistic: 12 layers, d_model 768, 12 heads, a 1x128 request "
+                        "and an 8x512 batch, MLP 4x4096 and CNN 128ch at 224px, for a GPU "
+                        "(default: small)")
+    parser.add_argument("--models", default=",".join(MODEL_KEYS),
+                        type=lambda t: _keys(t, MODEL_KEYS, "model"),
+                        help="comma-separated model keys: launch (50 tiny LN+Linear blocks, "
+                        "batch 2: per-op overhead), mlp, cnn, gpt (a GPT stack), bert and gpt2 "
+                        "(HF transformers), run in the order given (default: all)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        type=lambda t: _keys(t, VARIANTS, "variant"),
+                        help="comma-separated variants to run; autocast, the reference of "
+                        "every ratio, is always run; default: all of "
+                        f"{','.join(VARIANTS)}")
+    parser.add_argument("--shapes", default=None,
+                        type=lambda t: _keys(t, SHAPE_LABELS, "shape"),
+                        help="comma-separated shape labels to run: single (one request), "
+                        "serving (a small batch), large (a larger batch; small size only), "
+                        "batch (the realistic size's 8x512 batch and the launch model's "
+                        "batch of 2); models with none of them are skipped (default: all)")
     parser.add_argument("--compile", action="store_true",
-                        help="wrap every variant in torch.compile")
+                        help="wrap every variant in torch.compile (default backend, Inductor)")
+    parser.add_argument("--optimizer", default="sgd", choices=tuple(OPTIMIZERS),
+                        help=f"the optimizer of every variant's training step, lr {LR:g} "
+                        "(default: sgd)")
     parser.add_argument("--quick", action="store_true",
-                        help="single-request and serving shapes only, 5 rounds")
-    parser.add_argument("--rounds", type=int, default=None, help="default 25 (quick: 5)")
+                        help="at most two shapes per model, 5 rounds")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="timing rounds per phase (default 25; quick: 5); the time budget "
+                        "may cut them to 3")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="wall-clock budget of the whole run in seconds: rounds are cut "
+                        "and the remaining shapes and models skipped to fit, and if time "
+                        "still runs out, the tables measured so far are printed and the run "
+                        "ends (default: no limit)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's own choice)")
     parser.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parents[1]
-                                             / "BENCHMARKS.md"))
-    parser.add_argument("--no-write", action="store_true", help="print only")
-    opts = parser.parse_args(argv)
-    dtype_name = opts.dtype or ("bf16" if opts.device == "cpu" else "fp16")
-    rounds = opts.rounds or (5 if opts.quick else 25)
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
-    rows, times = run(opts.device, _DTYPES[dtype_name], rounds, opts.quick, opts.compile)
-    speed, convert = tables(rows, times)
-    print()
-    print(speed)
-    print()
-    print(convert)
-    if not opts.no_write:
-        command = "python benchmarks/bench_speed.py " + " ".join(argv if argv is not None
-                                                                 else sys.argv[1:])
-        write_markdown(pathlib.Path(opts.out), command.strip(), opts.device,
-                       dtype_name + (" + torch.compile" if opts.compile else ""), speed, convert)
-        print(f"\nwrote {opts.out}")
+                                             / "BENCHMARKS.md"),
+                        help="the markdown file to write the results into (default: the "
+                        "repository's BENCHMARKS.md)")
+    parser.add_argument("--markdown-section", default="speed", metavar="NAME",
+                        type=_section_name,
+                        help="write between <!-- NAME:begin --> and <!-- NAME:end --> in --out "
+                        "(appended at the end when the markers are missing), so that runs on "
+                        "several devices and settings keep one block each (default: speed)")
+    parser.add_argument("--no-write", action="store_true",
+                        help="print only; leave the markdown file alone")
+    return parser
+
+
+def _section_name(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", text):
+        raise argparse.ArgumentTypeError(
+            f"section name {text!r} must be letters, digits, '_', '.' or '-'")
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype or ("bf16" if args.device == "cpu" else "fp16")]
+    opts = Options(args.device, dtype, args.size, args.models,
+                   sorted({"autocast", *args.variants}, key=VARIANTS.index), args.shapes,
+                   args.rounds or (5 if args.quick else 25), args.quick, args.compile,
+                   args.optimizer)
+    command = " ".join(["python benchmarks/bench_speed.py",
+                        *(argv if argv is not None else sys.argv[1:])])
+    units = sum(len(describe(k, opts.size, opts.quick, opts.shapes)[1]) for k in opts.models)
+    budget = Budget(args.budget_s, _START, units)
+    report = Report()
+    finisher = Finisher(opts, report, None if args.no_write else pathlib.Path(args.out),
+                        args.markdown_section, command, args.budget_s)
+    print(f"Machine: {machine(opts.device)}")
+    print(f"Run: {title(opts)}; variants {', '.join(opts.variants)}; {opts.rounds} rounds"
+          + (f"; budget {args.budget_s:g} s" if args.budget_s else ""), flush=True)
+    timer = None
+    if args.budget_s is not None:
+        timer = threading.Timer(max(budget.remaining() - 1.0, 0.0), finisher.out_of_time)
+        timer.daemon = True
+        timer.start()
+    try:
+        run(opts, budget, report)
+    except KeyboardInterrupt:
+        finisher.finish(f"interrupted during {report.progress}")
+        return
+    finally:
+        if timer is not None:
+            timer.cancel()
+    finisher.finish()
 
 
 if __name__ == "__main__":
-    with contextlib.suppress(KeyboardInterrupt):
-        main()
+    main()

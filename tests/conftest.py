@@ -15,3 +15,15 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _hardware_warning_seen() -> Iterator[None]:
+    """Tests run on whatever CPU CI has (often AVX2 only, where bf16 is slow): mark this
+    machine's slow-dtype warning as already given, so it does not land in whichever test
+    converts first. ``tests/test_hardware.py`` clears the record to test the warning."""
+    from amprewrite import _hardware
+
+    for dtype in (torch.float16, torch.bfloat16):
+        _hardware._WARNED.add((_hardware.describe("cpu"), dtype))
+    yield

@@ -198,3 +198,28 @@ def test_inductor_forward_and_backward() -> None:
     torch.testing.assert_close(out, expected)
     out.sum().backward()
     assert model.proj.weight.grad is not None and model.proj.weight.grad.dtype == torch.float32
+
+
+def test_ops_without_tensor_inputs_stay_fake_in_the_rewrite() -> None:
+    """``torch.arange`` in a Dynamo graph has no tensor input to take a fake mode from; its
+    recomputed value must still be fake, or an in-place write into a fake tensor fails (the
+    token permutation of transformers' MoE layers)."""
+
+    class Permute(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            perm = torch.argsort(x[:, 0])
+            inverse = torch.empty_like(perm)
+            inverse[perm] = torch.arange(perm.numel())
+            return self.lin(x[perm])[inverse]
+
+    torch.manual_seed(0)
+    model, x = Permute(), torch.randn(6, 4)
+    compiled = amprewrite.compile(model, eager=True, fullgraph=True)
+    out = compiled(x)
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = model(x)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)

@@ -258,3 +258,26 @@ def test_convert_leaves_global_state_as_it_found_it_even_on_errors(monkeypatch) 
     with pytest.raises(AmpRewriteError, match="planted"):
         amprewrite.convert(nn.Linear(2, 2), (torch.randn(1, 2),))
     assert _state() == before
+
+
+def test_torch_cond_converts_and_runs_both_branches() -> None:
+    """The branches of a torch.cond stay as they are (run in what arrives); the ops around it
+    are converted, and conversion never fails on the higher-order op."""
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            return torch.cond(h.sum() > 0, lambda t: t.relu() + 1, lambda t: t * 2, (h,))
+
+    model = Branchy()
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    gm = amprewrite.convert(model, (x,), policy=CPU_BF16)
+    for sign in (1, -1):
+        want = _autocast(model, sign * x)
+        got = gm(sign * x)
+        assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)

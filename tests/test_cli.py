@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -71,10 +72,13 @@ def test_demo() -> None:
     sections = ["== rewritten graph (gm.code) ==", "== decisions (amprewrite.explain) ==",
                 "== one training step (amprewrite.audit) ==", "== accuracy vs fp32 =="]
     assert [out.index(s) for s in sections] == sorted(out.index(s) for s in sections)
-    assert "('lm_head.weight', torch.bfloat16)" in out and "lm_head_weight_bf16 = weights[" in out
-    assert "softmax = torch.ops.aten.softmax.int(masked_fill, -1, dtype = torch.float32)" in out
-    assert "linear_4        linear       lower             bf16   bf16  default table" in out
-    assert "37 op nodes: 7 bf16, 4 f32, 26 passthrough; casts: 13 inserted" in out
+    # a HF Llama: 7 projections and the LM head in bf16 (their weights cast in one batch),
+    # the attention's two matmuls too; its own softmax(dtype=float32) kept
+    assert "('model.lm_head.weight', torch.bfloat16)" in out
+    assert "model_lm_head_weight_bf16 = weights[" in out
+    assert re.search(r"torch\.softmax\(\w+, -1, torch\.float32\)", out)
+    assert re.search(r"linear_\d+ +linear +lower +bf16 +bf16 +default table", out)
+    assert re.search(r"\d+ op nodes: 10 bf16, \d+ f32, \d+ passthrough; casts: \d+ inserted", out)
     assert "amprewrite audit:" in out and "backward" in out
     assert "max |logits - fp32 logits|: amprewrite" in out
     assert "Traceback" not in proc.stderr

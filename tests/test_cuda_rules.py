@@ -190,6 +190,11 @@ _GPU_SKIPS = {
     "einsum": SKIPS["einsum"],
     "equal": "returns a Python bool, not a tensor",
 }
+# torch.export traces on fake tensors; these CUDA kernels have no fake (meta) implementation.
+_GPU_EXPORT_GAPS = dict.fromkeys(
+    ("cudnn_convolution", "cudnn_convolution_transpose", "gru_cell"),
+    "torch.export cannot trace it: its CUDA kernel has no fake (meta) implementation "
+    "(symbolic capture converts it)")
 
 
 def _gpu_cases() -> list[Any]:
@@ -205,6 +210,9 @@ def _gpu_cases() -> list[Any]:
                     marks.append(pytest.mark.skip(reason="autocast itself raises (FP16_ONLY)"))
                 elif path != "export" and entry[1] in SYMBOLIC_UNTRACEABLE:
                     marks.append(pytest.mark.skip(reason=SYMBOLIC_UNTRACEABLE[entry[1]]))
+                elif path == "export" and entry[1] in _GPU_EXPORT_GAPS:
+                    marks.append(pytest.mark.xfail(strict=True,
+                                                   reason=_GPU_EXPORT_GAPS[entry[1]]))
                 cases.append(pytest.param(entry, dtype, path, marks=marks,
                                           id=f"{entry[0]}-{dtype}-{path}"))
     return cases

@@ -248,3 +248,61 @@ def test_o0_keeps_same_dtype_conversions_as_aliases() -> None:
     model.zero_grad()
     model(x).backward()
     assert torch.equal(got, model.lin.weight.grad)
+
+
+@torch.library.custom_op("amprewrite_test::expert_mm", mutates_args=())
+def _expert_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A custom kernel that, like transformers' grouped-mm fallback, needs one dtype."""
+    return torch.mm(x, weight)
+
+
+@_expert_mm.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+def _expert_mm_backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x, weight = ctx.saved_tensors  # type: ignore[attr-defined]
+    return grad @ weight.T.to(grad.dtype), (x.T @ grad).to(weight.dtype)
+
+
+def _expert_mm_setup(ctx: object, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)  # type: ignore[attr-defined]
+
+
+_expert_mm.register_autograd(_expert_mm_backward, setup_context=_expert_mm_setup)
+
+
+class CustomExpert(nn.Module):
+    """An fp32 activation (the model's own ``.float()``) meets a weight in a custom op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 8)
+        self.expert = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _expert_mm(self.inp(x).float(), self.expert)
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O3"])
+def test_o2_o3_promote_custom_ops_with_mixed_inputs(opt_level: str) -> None:
+    """ATen ops promote mixed dtypes themselves; a custom kernel may reject them, so O2/O3
+    cast its inputs to the widest (here the low weight up to fp32). Under O1 it is left alone."""
+    model, x = CustomExpert(), torch.randn(4, 8)
+    gm = amprewrite.convert(model, (x,), opt_level=opt_level, dtype=torch.bfloat16)
+    (node,) = [n for n in gm.graph.nodes if "expert_mm" in str(n.target)]
+    assert {a.meta["val"].dtype for a in node.all_input_nodes} == {torch.float32}
+    rec = amprewrite._meta.decision(node)
+    assert rec.category is amprewrite.OpCategory.PROMOTE and "custom op" in rec.rule
+    if opt_level == "O2":
+        amprewrite.MasterWeights(gm, torch.optim.SGD(gm.parameters(), lr=0.1))
+    out = gm(x)
+    out.sum().backward()
+    with torch.no_grad():
+        reference = model(x)
+    assert (out - reference).abs().max() < 0.05 * reference.abs().max()
+    o1 = amprewrite.convert(model, (x,), dtype=torch.bfloat16)
+    (node,) = [n for n in o1.graph.nodes if "expert_mm" in str(n.target)]
+    assert amprewrite._meta.decision(node).category is amprewrite.OpCategory.PASSTHROUGH

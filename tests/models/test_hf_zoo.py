@@ -1,0 +1,90 @@
+"""Every amprewrite capability on every architecture of the HuggingFace zoo (``_hf_zoo.py``).
+
+One test per capability, parametrized over the zoo (ids are architecture names); the checks
+live in ``_hf_checks.py``, which ``tools/support_matrix.py`` runs as well. Cases listed in
+``KNOWN_GAPS`` are strict xfails with their reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from _hf_checks import (  # noqa: E402  (needs transformers)
+    CAPABILITIES, KNOWN_GAPS, check_audit, check_compile, check_default, check_o2_step,
+    check_o3_step, check_preset_grads, check_preset_outputs)
+from _hf_zoo import ZOO, Arch, tensor_leaves  # noqa: E402
+
+MAX_PARAMETERS = 100_000
+"""Zoo models stay tiny: bf16 matmuls on CPUs without native bf16 are ~70x slower than fp32."""
+
+
+def _cases(capability: str) -> list:
+    assert capability in CAPABILITIES
+    cases = []
+    for arch in ZOO:
+        reason = KNOWN_GAPS.get((arch.name, capability))
+        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+        cases.append(pytest.param(arch, id=arch.name, marks=marks))
+    return cases
+
+
+def test_known_gaps_name_real_cases() -> None:
+    names = {arch.name for arch in ZOO}
+    stale = [key for key in KNOWN_GAPS if key[0] not in names or key[1] not in CAPABILITIES]
+    assert not stale, f"KNOWN_GAPS entries for unknown architectures/capabilities: {stale}"
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, id=a.name) for a in ZOO])
+def test_zoo_entry_is_tiny_and_deterministic(arch: Arch) -> None:
+    """The entry builds equal models, has no active dropout and runs a finite fp32 forward."""
+    model, twin = arch.build(), arch.build()
+    n = sum(p.numel() for p in model.parameters())
+    assert n <= MAX_PARAMETERS, f"{arch.name}: {n} parameters > {MAX_PARAMETERS}"
+    for (name, p), (_, q) in zip(model.state_dict().items(), twin.state_dict().items()):
+        assert torch.equal(p, q), f"{arch.name}: two builds differ in {name}"
+    active = [name for name, m in model.named_modules()
+              if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    assert not active, f"{arch.name}: dropout with p > 0 in {active}"
+    args, kwargs = arch.example()
+    with torch.no_grad():
+        out = model(*args, **kwargs)
+    assert all(torch.isfinite(t).all() for t in tensor_leaves(out) if t.is_floating_point())
+    assert torch.isfinite(arch.loss(out)), f"{arch.name}: loss is not finite"
+
+
+@pytest.mark.parametrize("arch", _cases("default"))
+def test_default(arch: Arch) -> None:
+    check_default(arch)
+
+
+@pytest.mark.parametrize("arch", _cases("preset_outputs"))
+def test_preset_outputs(arch: Arch) -> None:
+    check_preset_outputs(arch)
+
+
+@pytest.mark.parametrize("arch", _cases("preset_grads"))
+def test_preset_grads(arch: Arch) -> None:
+    check_preset_grads(arch)
+
+
+@pytest.mark.parametrize("arch", _cases("o2_step"))
+def test_o2_step(arch: Arch) -> None:
+    check_o2_step(arch)
+
+
+@pytest.mark.parametrize("arch", _cases("o3_step"))
+def test_o3_step(arch: Arch) -> None:
+    check_o3_step(arch)
+
+
+@pytest.mark.parametrize("arch", _cases("compile"))
+def test_compile(arch: Arch) -> None:
+    check_compile(arch)
+
+
+@pytest.mark.parametrize("arch", _cases("audit"))
+def test_audit(arch: Arch) -> None:
+    check_audit(arch)

@@ -123,7 +123,7 @@ class LowPrecisionCopies:
             if torch.is_grad_enabled() else []
         if training and self.bindings == 0:
             self.get(masters[training[0]], dtype)  # raises the unbound-optimizer error
-        out = [self._current(m, dtype) for m in masters]
+        out = self._current_many(masters, dtype)
         if training:
             # NB: one node for all pairs on every device (unlike O1's weight casts): the
             # copies exist already, and tying them to their masters one by one would cost a
@@ -134,34 +134,54 @@ class LowPrecisionCopies:
                 out[i] = t
         return out
 
-    def _current(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        key = (id(master), dtype)
-        entry = self._entries.get(key)
-        if (entry is not None and entry.master() is master and entry.version == master._version
-                and entry.data_ptr == master.data_ptr()):
-            return entry.copy
-        return self._store(key, master, dtype)
+    def _current_many(self, masters: list[torch.Tensor], dtype: torch.dtype
+                      ) -> list[torch.Tensor]:
+        """:meth:`_current` of each master; the stale ones are remade in one batch."""
+        out: list[Any] = []
+        stale = []
+        for i, master in enumerate(masters):
+            key = (id(master), dtype)
+            entry = self._entries.get(key)
+            if (entry is not None and entry.master() is master
+                    and entry.version == master._version
+                    and entry.data_ptr == master.data_ptr()):
+                out.append(entry.copy)
+            else:
+                out.append(None)
+                stale.append((i, key, master))
+        if stale:
+            self._store_many([(key, master) for _, key, master in stale])
+            for i, key, _ in stale:
+                out[i] = self._entries[key].copy
+        return out
 
-    def _store(self, key: tuple[int, torch.dtype], master: torch.Tensor,
-               dtype: torch.dtype) -> torch.Tensor:
-        # A new tensor, not an in-place copy_: a graph that saved the old copy for backward
-        # must keep seeing the values its forward used.
+    def _current(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self._current_many([master], dtype)[0]
+
+    def _store_many(self, items: list[tuple[tuple[int, torch.dtype], torch.Tensor]]) -> None:
+        """Make the copies of ``(key, master)`` pairs: one batched cast per dtype."""
+        # New tensors, not in-place copy_: a graph that saved an old copy for backward must
+        # keep seeing the values its forward used.
         with torch.inference_mode(False), torch.no_grad():
-            copy = master.detach().to(dtype)
-        self._entries[key] = _Entry(weakref.ref(master), master._version, master.data_ptr(),
-                                    copy)
-        return copy
+            for dtype in {key[1] for key, _ in items}:
+                group = [(key, m) for key, m in items if key[1] == dtype]
+                copies = cast_batch([m.detach() for _, m in group], dtype)
+                for (key, master), copy in zip(group, copies):
+                    self._entries[key] = _Entry(weakref.ref(master), master._version,
+                                                master.data_ptr(), copy)
 
     def refresh(self, masters: list[torch.Tensor] | None = None) -> None:
         """Recompute the copies of ``masters`` (all stored ones when None) from their
         current values, whatever their version counters say."""
         wanted = None if masters is None else {id(m) for m in masters}
+        stale = []
         for key, entry in list(self._entries.items()):
             master = entry.master()
             if master is None:
                 del self._entries[key]
             elif wanted is None or id(master) in wanted:
-                self._store(key, master, key[1])
+                stale.append((key, master))
+        self._store_many(stale)
 
     def copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(master, copy)`` pairs currently stored."""

@@ -1,0 +1,99 @@
+"""A HuggingFace model with labels (the loss inside the model), trained converted: a plain
+loop and ``transformers.Trainer``, each bitwise equal to the same training under
+torch.autocast with the CPU autocast preset; the weights saved with ``save_pretrained``."""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # Trainer needs it
+
+import amprewrite  # noqa: E402
+
+PRESET = amprewrite.Policy.autocast("cpu", torch.bfloat16)
+
+
+def _model() -> torch.nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+def _batch(i: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(i))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _convert(model: torch.nn.Module) -> torch.nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return amprewrite.convert(model, (), example_kwargs=_batch(0), policy=PRESET)
+
+
+def test_plain_loop_with_labels_matches_autocast_bitwise() -> None:
+    model, twin = _model(), _model()
+    gm = _convert(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # the masters: shared with gm
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    for step in range(3):
+        loss = gm(**_batch(step)).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            twin_loss = twin(**_batch(step)).loss
+        assert loss.dtype == torch.float32 and torch.equal(loss, twin_loss), step
+        for o, l in ((opt, loss), (twin_opt, twin_loss)):
+            l.backward()
+            o.step()
+            o.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), name
+
+
+class _Batches(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def _train(model: torch.nn.Module, out: pathlib.Path, bf16: bool) -> float:
+    args = transformers.TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=4, max_steps=3, report_to=[],
+        use_cpu=True, bf16=bf16, save_strategy="no", logging_strategy="no",
+        dataloader_num_workers=0, seed=0, disable_tqdm=True)
+    return transformers.Trainer(model=model, args=args, train_dataset=_Batches()).train() \
+        .training_loss
+
+
+def test_trainer_on_the_converted_module_matches_its_own_bf16_amp(tmp_path: pathlib.Path
+                                                                  ) -> None:
+    """``Trainer(model=gm)`` (no ``bf16=True``: the casts are in the graph) trains the
+    original model's parameters exactly as ``Trainer(model, bf16=True)`` (torch.autocast)
+    does; ``model.save_pretrained`` then saves the trained weights."""
+    model, twin = _model(), _model()
+    gm = _convert(model)
+    # The converted forward takes the example's keywords only, so Trainer does not pass it
+    # num_items_in_batch; the reference is told to do without it too (with gradient
+    # accumulation 1 the loss is the same mean either way, but Trainer's bookkeeping differs).
+    twin.accepts_loss_kwargs = False
+    loss = _train(gm, tmp_path / "converted", bf16=False)
+    twin_loss = _train(twin, tmp_path / "autocast", bf16=True)
+    assert loss == twin_loss
+    before = _model().state_dict()
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed, "the converted module trained nothing"
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), name
+    model.save_pretrained(tmp_path / "saved")
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "saved")
+    for name, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name

@@ -10,11 +10,14 @@ per forward (what O2 means: weights held in low precision), and is refreshed fro
 master after each optimizer step by :class:`amprewrite.MasterWeights`, or lazily when the
 master was changed in place (``load_state_dict``, an in-place update: ``_version`` moves).
 
-Gradients: in grad mode the copy is returned through :class:`_MasterGrad`, whose backward
-hands the low-precision gradient of the copy to the master converted to fp32, so autograd
+Gradients: the copy of a master that requires grad is made *with* autograd, when it is
+stored (``master.to(dtype)`` in grad mode), so it carries a ``ToCopyBackward`` node whose
+backward hands its low-precision gradient to the master converted to fp32, and autograd
 accumulates it in fp32 in ``master.grad``: micro-batches of gradient accumulation sum in
 fp32, ``GradScaler.unscale_`` and clipping see fp32 gradients, and
-``torch.autograd.grad(loss, gm.parameters())`` works as usual.
+``torch.autograd.grad(loss, gm.parameters())`` works as usual. That node saves no tensor, so
+every forward until the next refresh can backpropagate through it; a forward adds nothing
+for the weights, neither a cast nor an autograd node.
 """
 
 from __future__ import annotations
@@ -38,42 +41,6 @@ class _Entry(NamedTuple):
     version: int
     data_ptr: int
     copy: torch.Tensor
-
-
-class _MasterGrad(torch.autograd.Function):
-    """Forward: the stored low-precision copy. Backward: its gradient, in fp32, to the
-    master (the copy itself is a constant to autograd)."""
-
-    @staticmethod
-    def forward(ctx: Any, master: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
-        ctx.master_dtype = master.dtype
-        # NB: autograd returns a view of ``copy`` carrying this node's grad_fn, so the stored
-        # copy itself never joins a graph.
-        return copy
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad.to(ctx.master_dtype), None
-
-
-class _MasterGradMany(torch.autograd.Function):
-    """:class:`_MasterGrad` for many (master, copy) pairs as one autograd node."""
-
-    @staticmethod
-    def forward(ctx: Any, n: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.dtypes = [t.dtype for t in tensors[:n]]
-        ctx.set_materialize_grads(False)  # an unused copy gives its master no gradient
-        return tensors[n:]
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        present = [i for i, g in enumerate(grads) if g is not None]
-        up: list[torch.Tensor | None] = [None] * len(grads)
-        for dtype in set(ctx.dtypes[i] for i in present):
-            group = [i for i in present if ctx.dtypes[i] == dtype]
-            for i, g in zip(group, cast_batch([grads[i] for i in group], dtype)):
-                up[i] = g
-        return (None, *up, *([None] * len(grads)))
 
 
 def _tracing(master: torch.Tensor) -> bool:
@@ -105,12 +72,10 @@ class LowPrecisionCopies:
                 "telling autograd). Bind it before training: "
                 "masters = amprewrite.MasterWeights(gm, optimizer); or run under "
                 "torch.no_grad() for inference.")
-        copy = self._current(master, dtype)
-        return _MasterGrad.apply(master, copy) if training else copy
+        return self._current(master, dtype)
 
     def get_many(self, masters: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-        """:meth:`get` for many masters at once; in grad mode their copies are tracked back to
-        them by one autograd node."""
+        """:meth:`get` for many masters at once."""
         if torch.compiler.is_compiling():
             # A compiler sees plain casts (the same values: copies are the masters cast),
             # which it can fuse; the store's Python bookkeeping would break its graph.
@@ -123,16 +88,7 @@ class LowPrecisionCopies:
             if torch.is_grad_enabled() else []
         if training and self.bindings == 0:
             self.get(masters[training[0]], dtype)  # raises the unbound-optimizer error
-        out = self._current_many(masters, dtype)
-        if training:
-            # NB: one node for all pairs on every device (unlike O1's weight casts): the
-            # copies exist already, and tying them to their masters one by one would cost a
-            # Python autograd.Function each.
-            made = _MasterGradMany.apply(len(training), *[masters[i] for i in training],
-                                         *[out[i] for i in training])
-            for i, t in zip(training, made):
-                out[i] = t
-        return out
+        return self._current_many(masters, dtype)
 
     def _current_many(self, masters: list[torch.Tensor], dtype: torch.dtype
                       ) -> list[torch.Tensor]:
@@ -144,7 +100,8 @@ class LowPrecisionCopies:
             entry = self._entries.get(key)
             if (entry is not None and entry.master() is master
                     and entry.version == master._version
-                    and entry.data_ptr == master.data_ptr()):
+                    and entry.data_ptr == master.data_ptr()
+                    and entry.copy.requires_grad == master.requires_grad):
                 out.append(entry.copy)
             else:
                 out.append(None)
@@ -162,13 +119,21 @@ class LowPrecisionCopies:
         """Make the copies of ``(key, master)`` pairs: one batched cast per dtype."""
         # New tensors, not in-place copy_: a graph that saved an old copy for backward must
         # keep seeing the values its forward used.
-        with torch.inference_mode(False), torch.no_grad():
-            for dtype in {key[1] for key, _ in items}:
-                group = [(key, m) for key, m in items if key[1] == dtype]
-                copies = cast_batch([m.detach() for _, m in group], dtype)
-                for (key, master), copy in zip(group, copies):
-                    self._entries[key] = _Entry(weakref.ref(master), master._version,
-                                                master.data_ptr(), copy)
+        with torch.inference_mode(False):
+            # Copies of trained masters carry their cast's autograd node (module docstring),
+            # made one by one: a batched cast would put a cat and a view per weight between
+            # copy and master, and each view's backward would fill a whole flat buffer.
+            with torch.enable_grad():
+                made = [(key, m, m.to(key[1])) for key, m in items if m.requires_grad]
+            with torch.no_grad():
+                for dtype in {key[1] for key, m in items if not m.requires_grad}:
+                    group = [(key, m) for key, m in items
+                             if key[1] == dtype and not m.requires_grad]
+                    copies = cast_batch([m for _, m in group], dtype)
+                    made += [(key, m, c) for (key, m), c in zip(group, copies)]
+        for key, master, copy in made:
+            self._entries[key] = _Entry(weakref.ref(master), master._version,
+                                        master.data_ptr(), copy)
 
     def refresh(self, masters: list[torch.Tensor] | None = None) -> None:
         """Recompute the copies of ``masters`` (all stored ones when None) from their

@@ -21,8 +21,10 @@ refreshes their low-precision copies, a cost of O2), O3's are its own low-precis
 There is no loss scaler: O3's fp16 weights cannot use one, and every variant runs the same
 step.
 
-fp32, autocast, preset, default and O2 all train the model's own parameters, so each of
-their steps moves the weights that the others then run on. Two choices keep that harmless:
+fp32, autocast, preset and default all train the model's own parameters, so each of their
+steps moves the weights that the others then run on (O2 trains a copy of the model: on shared
+masters its stored low-precision copies would be remade in every forward, which real O2
+training never does). Two choices keep that harmless:
 the learning rate is 1e-6, so that the weights barely move while the variants are timed
 (the work of a step does not depend on the values, barring inf and NaN), and the shared
 weights are restored after each training phase, so that every shape and phase starts from

@@ -17,4 +17,5 @@ from .audit import AuditReport, OpRecord, audit; from ._lints import Lint, lint;
 from .training import MasterWeights, ScalerMonitor, StepRecord; __all__ += ["MasterWeights", "ScalerMonitor", "StepRecord"]
 from ._backend import AmpBackend, backend, compile; from ._explain import explain; __all__ += ["AmpBackend", "backend", "compile", "explain"]
 from ._weight_cache import clear_weight_cache; __all__ += ["clear_weight_cache"]
+from ._memory import MemoryComparison, MemoryReport, compare_memory, memory_report; __all__ += ["memory_report", "compare_memory", "MemoryReport", "MemoryComparison"]
 __version__ = "0.1.0"

@@ -32,9 +32,9 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ._capture import REGION_KEY, Region
-from ._convert import model_device, resolve_dtype
+from ._convert import resolve_dtype
 from ._fit_constants import TRACED_IN_FP32
-from ._hardware import warn_if_slow
+from ._hardware import model_device, warn_if_slow
 from ._pipeline import run_passes
 from ._meta import META_KEY
 from ._weight_cache import CACHE_ATTR

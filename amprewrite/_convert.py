@@ -16,7 +16,7 @@ from ._classify import module_paths
 from ._errors import AmpRewriteError
 from ._export import Regime, capture_export
 from ._fast_calls import recompile_with_bindings
-from ._hardware import warn_if_slow
+from ._hardware import model_device, warn_if_slow
 from ._meta import META_KEY
 from ._opt_levels import apply_opt_level, check_opt_level, low_precision_twin
 from ._pipeline import run_passes
@@ -24,7 +24,7 @@ from ._state import preserved_global_state
 from ._weights import gather_weights
 from .policy import Policy, check_low_dtype
 
-__all__ = ["convert", "model_device", "resolve_dtype"]
+__all__ = ["convert", "resolve_dtype"]
 
 _CAPTURES = ("auto", "symbolic", "export")
 
@@ -175,19 +175,6 @@ def _regime(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, policy
             (device == "cuda" and not torch.cuda.is_available()):
         return None  # (fake CUDA tensors on a CPU-only build: autocast disables itself)
     return device, low
-
-
-def model_device(model: nn.Module, args: tuple | None,
-                 kwargs: dict[str, Any] | None) -> torch.device:
-    """Where the model computes: its first floating parameter's device, else its first
-    tensor input's, else the CPU."""
-    for p in model.parameters():
-        if p.is_floating_point():
-            return p.device
-    for leaf in torch.utils._pytree.tree_leaves((args or (), kwargs or {})):
-        if isinstance(leaf, torch.Tensor):
-            return leaf.device
-    return torch.device("cpu")
 
 
 def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ._hardware import describe, slow_reason
+from ._hardware import describe, model_device, slow_reason
 from ._meta import META_KEY, cast_info, decision
 from ._tables import OpCategory
 
@@ -150,16 +150,9 @@ def explain(target: Any) -> str:
 
 
 def _graph_device(gm: fx.GraphModule) -> torch.device:
-    """Where the graph computes: its first floating parameter or buffer, else its first
-    placeholder's example value, else the CPU."""
-    for t in (*gm.parameters(), *gm.buffers()):
-        if t.is_floating_point():
-            return t.device
-    for node in gm.graph.find_nodes(op="placeholder"):
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            return val.device
-    return torch.device("cpu")
+    """Where the graph computes: its parameters' device, else its example inputs'."""
+    inputs = tuple(n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder"))
+    return model_device(gm, inputs, None)
 
 
 def _policy_name(policy: Any) -> str:

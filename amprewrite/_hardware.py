@@ -20,10 +20,12 @@ The probes are the ``torch.cpu._is_*_supported`` functions and
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
+import torch.nn as nn
 
-__all__ = ["describe", "slow_reason", "warn_if_slow"]
+__all__ = ["describe", "model_device", "slow_reason", "warn_if_slow"]
 
 _CUDA_MIN = {torch.float16: ((7, 0), "Volta"), torch.bfloat16: ((8, 0), "Ampere")}
 _WARNED: set[tuple[str, torch.dtype]] = set()
@@ -39,6 +41,19 @@ def _cpu_features() -> list[str]:
     flags = {"avx512_bf16": "_is_avx512_bf16_supported", "amx": "_is_amx_tile_supported",
              "amx_fp16": "_is_amx_fp16_supported"}
     return [flag for flag, probe in flags.items() if _cpu_flag(probe)]
+
+
+def model_device(model: nn.Module, args: tuple | None,
+                 kwargs: dict[str, Any] | None) -> torch.device:
+    """Where the model computes: its first floating parameter's device, else its first
+    tensor input's, else the CPU."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.device
+    for leaf in torch.utils._pytree.tree_leaves((args or (), kwargs or {})):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return torch.device("cpu")
 
 
 def describe(device: torch.device | str) -> str:

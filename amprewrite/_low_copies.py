@@ -1,11 +1,11 @@
 """Low-precision working copies of fp32 master weights (``opt_level="O2"``).
 
 An O2 module computes with fp16/bf16 weights while the fp32 master weights stay its
-parameters (shared with the user's model). Each weight use in ``gm.code`` reads::
+parameters (shared with the user's model). The forward's weight read names them::
 
-    fc1_weight_f16 = _amp_low_copies.get(fc1_weight, torch.float16)
+    weights = _amp_weights.fetch(('fc1.weight', torch.float16, 'low copy'), ..., store = _amp_low_copies)
 
-which returns the stored low-precision copy of the master. The copy is *stored*, not cast
+and :meth:`LowPrecisionCopies.get_many` returns the stored low-precision copies. The copy is *stored*, not cast
 per forward (what O2 means: weights held in low precision), and is refreshed from the
 master after each optimizer step by :class:`amprewrite.MasterWeights`, or lazily when the
 master was changed in place (``load_state_dict``, an in-place update: ``_version`` moves).

@@ -35,7 +35,7 @@ had it, reading the buffer's value at that point.
 from __future__ import annotations
 
 import operator
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -44,7 +44,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from ._errors import AmpRewriteError
 from ._low_copies import LOW_COPIES_ATTR, LowPrecisionCopies
-from ._meta import META_KEY, cast_info
+from ._meta import cast_info
 from ._weight_cache import CACHE_ATTR, WeightCastCache
 
 __all__ = ["GatherWeightsPass", "WeightTable", "WEIGHTS_ATTR", "gather_weights",

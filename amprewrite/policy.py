@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
-from types import MappingProxyType
 from typing import Callable, Iterable, Mapping
 
 import torch

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import amprewrite
-from amprewrite import AmpRewriteError
 
 from _fake_cuda import one_op_module, resolve_op, tensors_of
 

@@ -4,7 +4,6 @@ torch.autocast with the CPU autocast preset; the weights saved with ``save_pretr
 
 from __future__ import annotations
 
-import copy
 import pathlib
 import warnings
 

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn

@@ -1,21 +1,39 @@
 """amprewrite: automatic mixed precision for PyTorch as an FX graph rewrite.
 
 ``convert`` captures a model, decides per op which precision it computes in, and returns a
-GraphModule whose ``.code`` shows every cast.
+GraphModule whose ``.code`` shows every cast. The names below are the whole public surface;
+each is documented in the README. The folders name the concepts: ``capture/`` (model to
+graph), ``policy/`` (which op runs in which precision), ``passes/`` (the graph rewrite),
+``runtime/`` (what converted graphs call), ``graph/`` (node facts shared by the passes),
+``audit/`` (what ran, in which dtype), ``training/`` (master weights, loss scaling, memory).
 """
 
-from ._convert import convert
-from ._errors import AmpRewriteError
-from ._registry import register_op, unregister_op
-from ._tables import OpCategory
-from .policy import Policy
+from .audit.grad_hist import GradHistogram
+from .audit.lints import Lint, lint
+from .audit.report import AuditReport, OpRecord, audit
+from .compile_backend import AmpBackend, backend, compile
+from .convert import convert
+from .errors import AmpRewriteError
+from .explain import explain
+from .policy.policy import Policy
+from .policy.registry import register_op, unregister_op
+from .policy.tables import OpCategory
+from .runtime.weight_cache import clear_weight_cache
+from .training.master_weights import MasterWeights
+from .training.memory import MemoryComparison, MemoryReport, compare_memory, memory_report
+from .training.scaler_monitor import ScalerMonitor, StepRecord
 
-__all__ = ["convert", "Policy", "OpCategory", "AmpRewriteError", "register_op", "unregister_op"]
+__all__ = [
+    # convert a model
+    "convert", "Policy", "OpCategory", "register_op", "unregister_op", "AmpRewriteError",
+    "clear_weight_cache",
+    # models with graph breaks
+    "compile", "backend", "AmpBackend",
+    # see what it did
+    "explain", "lint", "Lint", "audit", "AuditReport", "OpRecord", "GradHistogram",
+    # train
+    "MasterWeights", "ScalerMonitor", "StepRecord",
+    "memory_report", "compare_memory", "MemoryReport", "MemoryComparison",
+]
 
-# -- public API of feature modules (one import line and one __all__ line per module) --
-from .audit import AuditReport, OpRecord, audit; from ._lints import Lint, lint; from ._grad_hist import GradHistogram; __all__ += ["audit", "AuditReport", "OpRecord", "lint", "Lint", "GradHistogram"]
-from .training import MasterWeights, ScalerMonitor, StepRecord; __all__ += ["MasterWeights", "ScalerMonitor", "StepRecord"]
-from ._backend import AmpBackend, backend, compile; from ._explain import explain; __all__ += ["AmpBackend", "backend", "compile", "explain"]
-from ._weight_cache import clear_weight_cache; __all__ += ["clear_weight_cache"]
-from ._memory import MemoryComparison, MemoryReport, compare_memory, memory_report; __all__ += ["memory_report", "compare_memory", "MemoryReport", "MemoryComparison"]
 __version__ = "0.1.0"

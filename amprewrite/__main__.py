@@ -1,5 +1,5 @@
-"""``python -m amprewrite``: the command line (see :mod:`amprewrite._cli`)."""
+"""``python -m amprewrite``: the command line (see :mod:`amprewrite.cli`)."""
 
-from ._cli import main
+from .cli import main
 
 raise SystemExit(main())

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from amprewrite._hardware import describe as describe_hardware
+from amprewrite.hardware import describe as describe_hardware
 from _speed_types import (CONVERTED, LR, VARIANTS, ConvertTime, Options, Report, Row,
                           DTYPES, SHORT)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from amprewrite._meta import cast_info
-from amprewrite._weights import is_fetch
+from amprewrite.graph.meta import cast_info
+from amprewrite.runtime.weight_table import is_fetch
 
 
 def weight_casts(gm: fx.GraphModule) -> list[tuple[str, torch.dtype]]:

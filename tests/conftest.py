@@ -22,7 +22,7 @@ def _hardware_warning_seen() -> Iterator[None]:
     """Tests run on whatever CPU CI has (often AVX2 only, where bf16 is slow): mark this
     machine's slow-dtype warning as already given, so it does not land in whichever test
     converts first. ``tests/test_hardware.py`` clears the record to test the warning."""
-    from amprewrite import _hardware
+    from amprewrite import hardware as _hardware
 
     for dtype in (torch.float16, torch.bfloat16):
         _hardware._WARNED.add((_hardware.describe("cpu"), dtype))

@@ -168,7 +168,7 @@ def test_converted_graph_rows_carry_nodes_and_casts_are_labelled():
 
 def test_batched_weight_casts_are_labelled(monkeypatch):
     """Where weight casts are batched (CUDA; forced here): packed by a cat, then cast once."""
-    monkeypatch.setattr(amprewrite._weight_cache, "BATCHED_DEVICE_TYPES",
+    monkeypatch.setattr(amprewrite.runtime.weight_cache, "BATCHED_DEVICE_TYPES",
                         frozenset({"cpu", "cuda"}))
     x = _x()
     gm = amprewrite.convert(Net(), (x,), dtype=torch.bfloat16)
@@ -399,7 +399,7 @@ def test_empty_tensors_are_skipped() -> None:
 
 
 def test_a_recording_failure_never_breaks_the_step(monkeypatch) -> None:
-    import amprewrite._audit_mode as mode
+    from amprewrite.audit import mode
 
     def broken(t):
         raise RuntimeError("planted statistics failure")

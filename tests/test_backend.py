@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import amprewrite
 from amprewrite import OpCategory, Policy
-from amprewrite._meta import decision
+from amprewrite.graph.meta import decision
 
 
 @pytest.fixture(autouse=True)

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 
 import amprewrite
 from amprewrite import AmpRewriteError, Policy
-from amprewrite._capture import GRAD_KEY, capture_converted
-from amprewrite._eliminate_casts import cast_source
+from amprewrite.capture.facts import GRAD_KEY
+from amprewrite.capture.converted import capture_converted
+from amprewrite.graph.queries import cast_source
 
 from _graphs import weight_casts
 
@@ -246,7 +247,7 @@ def test_convert_leaves_global_state_as_it_found_it_even_on_errors(monkeypatch) 
     assert _state() == before
 
     # An error raised while the capture runs under autocast and no_grad.
-    import amprewrite._export as export_module
+    import amprewrite.capture.export as export_module
 
     def broken(*args, **kwargs):
         torch.set_grad_enabled(False)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from amprewrite._cli import main
+from amprewrite.cli import main
 
 FACTORIES = textwrap.dedent('''
     import torch

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import amprewrite
 from _graphs import weight_casts
 from amprewrite import AmpRewriteError, OpCategory, Policy
-from amprewrite._meta import cast_info, decision
+from amprewrite.graph.meta import cast_info, decision
 
 
 class MLP(nn.Module):
@@ -241,7 +241,7 @@ def test_guarded_casts_without_example_inputs() -> None:
     assert "fp32_if_eligible" in gm.code  # softmax's dtype decided at run time
     assert gm(torch.randn(2, 8)).dtype == torch.float32
     # The guard is autocast's eligibility rule: fp64, integer and other-device tensors pass.
-    from amprewrite._runtime import guarded_cast
+    from amprewrite.runtime.functions import guarded_cast
 
     for value in (torch.randn(2, dtype=torch.float64), torch.arange(3), 1.5):
         assert guarded_cast(value, torch.bfloat16) is value
@@ -321,7 +321,7 @@ def test_converting_twice_inserts_nothing(inputs: tuple | None) -> None:
 
 
 def test_passes_report_unmodified_on_second_run() -> None:
-    from amprewrite._pipeline import amp_passes
+    from amprewrite.passes.pipeline import amp_passes
 
     gm = amprewrite.convert(MLP(), (torch.randn(2, 8),))
     policy, dtype = gm.meta["amprewrite_policy"]
@@ -332,7 +332,7 @@ def test_passes_report_unmodified_on_second_run() -> None:
 def test_dynamic_shapes_fall_back_to_static_with_a_warning(monkeypatch) -> None:
     """Some ATen meta kernels reject symbolic sizes (swin's ``constant_pad_nd``): the passes
     then fail on the dynamic-shape capture, and convert exports again with static shapes."""
-    import amprewrite._insert_casts as insert
+    import amprewrite.passes.insert_casts as insert
 
     real = insert.fake_run
 

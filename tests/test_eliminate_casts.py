@@ -15,7 +15,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import amprewrite
 from _graphs import weight_casts
 from amprewrite import Policy
-from amprewrite._eliminate_casts import EliminateCastsPass, cast_source
+from amprewrite.passes.eliminate_casts import EliminateCastsPass
+from amprewrite.graph.queries import cast_source
 
 aten = torch.ops.aten
 f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float64

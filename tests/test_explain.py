@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import amprewrite
 from amprewrite import OpCategory, Policy
-from amprewrite._explain import explain_records
+from amprewrite.explain import explain_records
 
 
 def _decisions(gm: torch.fx.GraphModule) -> str:

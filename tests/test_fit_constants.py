@@ -8,7 +8,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 import amprewrite
-from amprewrite._fit_constants import TRACED_IN_FP32, FitConstantsPass
+from amprewrite.capture.facts import TRACED_IN_FP32
+from amprewrite.passes.fit_constants import FitConstantsPass
 
 FP32_MIN = torch.finfo(torch.float32).min
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 import amprewrite
-from amprewrite import _hardware
-from amprewrite._explain import explain_records
+from amprewrite import hardware as _hardware
+from amprewrite.explain import explain_records
 
 
 @pytest.fixture

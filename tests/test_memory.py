@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import amprewrite
-from amprewrite._low_copies import LOW_COPIES_ATTR
+from amprewrite.runtime.low_copies import LOW_COPIES_ATTR
 
 B, D, OUT = 16, 64, 8
 N = D * D + D * OUT                    # 4608 parameters, no biases

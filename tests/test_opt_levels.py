@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 import amprewrite
 from amprewrite import AmpRewriteError, Policy
-from amprewrite._low_copies import LOW_COPIES_ATTR
-from amprewrite._meta import cast_info
+from amprewrite.runtime.low_copies import LOW_COPIES_ATTR
+from amprewrite.graph.meta import cast_info
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -294,7 +294,7 @@ def test_o2_o3_promote_custom_ops_with_mixed_inputs(opt_level: str) -> None:
     gm = amprewrite.convert(model, (x,), opt_level=opt_level, dtype=torch.bfloat16)
     (node,) = [n for n in gm.graph.nodes if "expert_mm" in str(n.target)]
     assert {a.meta["val"].dtype for a in node.all_input_nodes} == {torch.float32}
-    rec = amprewrite._meta.decision(node)
+    rec = amprewrite.graph.meta.decision(node)
     assert rec.category is amprewrite.OpCategory.PROMOTE and "custom op" in rec.rule
     if opt_level == "O2":
         amprewrite.MasterWeights(gm, torch.optim.SGD(gm.parameters(), lr=0.1))
@@ -305,4 +305,4 @@ def test_o2_o3_promote_custom_ops_with_mixed_inputs(opt_level: str) -> None:
     assert (out - reference).abs().max() < 0.05 * reference.abs().max()
     o1 = amprewrite.convert(model, (x,), dtype=torch.bfloat16)
     (node,) = [n for n in o1.graph.nodes if "expert_mm" in str(n.target)]
-    assert amprewrite._meta.decision(node).category is amprewrite.OpCategory.PASSTHROUGH
+    assert amprewrite.graph.meta.decision(node).category is amprewrite.OpCategory.PASSTHROUGH

@@ -8,8 +8,8 @@ import torch.nn as nn
 
 import amprewrite
 from amprewrite import OpCategory, Policy
-from amprewrite._explain import explain_records
-from amprewrite._meta import decision
+from amprewrite.explain import explain_records
+from amprewrite.graph.meta import decision
 
 L, F32, P = OpCategory.LOWER, OpCategory.FP32, OpCategory.PASSTHROUGH
 

@@ -19,10 +19,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 import amprewrite
-from amprewrite._pipeline import amp_passes
-from amprewrite._eliminate_casts import cast_source
-from amprewrite._meta import cast_info
-from amprewrite._runtime import guarded_promote
+from amprewrite.passes.pipeline import amp_passes
+from amprewrite.graph.queries import cast_source
+from amprewrite.graph.meta import cast_info
+from amprewrite.runtime.functions import guarded_promote
 
 from _zoo import ZOO, ZooCase
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import amprewrite
 from amprewrite import Policy
-from amprewrite._low_copies import LOW_COPIES_ATTR
+from amprewrite.runtime.low_copies import LOW_COPIES_ATTR
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

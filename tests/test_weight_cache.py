@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import amprewrite
 from amprewrite import Policy
-from amprewrite._weight_cache import CACHE_ATTR, WeightCastCache
+from amprewrite.runtime.weight_cache import CACHE_ATTR, WeightCastCache
 
 bf16 = torch.bfloat16
 

@@ -1,0 +1,236 @@
+"""``amprewrite.audit()``: per-op dtype and range statistics for forward and backward.
+
+::
+
+    with amprewrite.audit() as report:   # converted, eager, or eager under torch.autocast
+        loss = model(x).float().sum()
+        loss.backward()
+    report.first_nonfinite               # the op that first *produced* inf/NaN, or None
+    print(report.table())
+
+Collection is apart from presentation (as in ``torch.utils.flop_counter``): a private
+``TorchDispatchMode`` records every ATen op with device-side statistics
+(:mod:`amprewrite.audit.mode`), attribution to module, FX node and phase is in
+:mod:`amprewrite.audit.where`, and this module owns the report. Statistics are read back
+from the device once, when the ``with`` block exits; ``report`` is empty until then.
+
+NB: the context is not reentrant. It records the thread that entered it, and autograd's
+backward threads (which inherit the dispatch mode).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any, Iterator
+
+from .grad_hist import GradHistogram
+from .mode import FP16_MAX, Recorder, _AuditMode
+from .stats import release_scratch
+from .tables import render, summarize
+from .where import Attribution
+
+__all__ = ["audit", "AuditReport", "OpRecord"]
+
+_MAX_SEGMENTS = 1 << 16
+"""Aggregate mode keeps at most this many forward-context segments for backward lookup."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRecord:
+    """One ATen op call (or, with ``aggregate=True``, all calls with the same key).
+
+    Statistics are over the op's floating outputs: ``max_abs`` is the largest finite |x|,
+    ``min_nonzero_abs`` the smallest nonzero finite |x|, ``nonfinite`` counts inf/NaN,
+    ``fp16_overflow`` counts finite values above 65504 in a wider dtype (they would become
+    inf in fp16) or infs in an fp16 output, ``fp16_underflow`` counts nonzero values below
+    fp16's smallest normal (6.1e-5). ``produced_nonfinite`` is True when this op turned finite
+    inputs into inf/NaN, or NaN-free inputs into NaN (rather than passing them on). NB: ops
+    without floating inputs (``full``, ``scalar_tensor``) that make inf do it on purpose
+    (attention masks) and are not blamed; a softmax that turns such a row into NaN is.
+    """
+
+    op: str
+    node: str | None
+    module: str | None
+    phase: str
+    in_dtypes: tuple[str, ...]
+    out_dtype: str | None
+    shape: tuple[int, ...]
+    max_abs: float | None
+    min_nonzero_abs: float | None
+    nonfinite: int
+    fp16_overflow: int
+    fp16_underflow: int
+    cast: bool = False
+    """A dtype conversion: a cast node of a converted graph, or ``_to_copy`` to a new dtype."""
+    grad_fn: str | None = None
+    """Backward ops: the autograd node that ran them (``"AddmmBackward0"``)."""
+    produced_nonfinite: bool = False
+    count: int = 1
+    flops: int = 0
+    cast_bytes: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"cast ({self.op})" if self.cast else self.op
+
+    @property
+    def headroom_bits(self) -> float | None:
+        """log2(65504 / max_abs): doublings left before fp16 overflows (negative: already
+        past it); None when there are no nonzero finite values."""
+        return math.log2(FP16_MAX / self.max_abs) if self.max_abs else None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["in_dtypes"], d["shape"] = list(self.in_dtypes), list(self.shape)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "OpRecord":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - fields
+        if unknown:
+            raise ValueError(f"OpRecord.from_dict: unknown keys {sorted(unknown)}; expected "
+                             f"the keys of OpRecord.to_dict() ({', '.join(sorted(fields))})")
+        return cls(**{**data, "in_dtypes": tuple(data["in_dtypes"]),
+                      "shape": tuple(data["shape"])})
+
+
+@dataclasses.dataclass
+class AuditReport:
+    """What an audit saw: ``records`` in execution order, and what they add up to."""
+
+    records: list[OpRecord] = dataclasses.field(default_factory=list)
+    first_nonfinite: OpRecord | None = None
+    """The first op (in execution order) with ``produced_nonfinite``."""
+    grad_histogram: GradHistogram | None = None
+    aggregate: bool = False
+
+    @property
+    def producers(self) -> list[OpRecord]:
+        """Records of ops that produced inf/NaN from finite inputs, in execution order."""
+        return [r for r in self.records if r.produced_nonfinite]
+
+    def summary(self) -> dict[str, Any]:
+        """Ops per dtype, matmul/conv FLOPs per dtype, casts, producers, overflow risk."""
+
+        return summarize(self)
+
+    def table(self, max_rows: int = 40) -> str:
+        """The report as text tables (needs ``tabulate``); the per-op table shows at most
+        ``max_rows`` rows, the rows with inf/NaN or fp16 range problems first."""
+        if not isinstance(max_rows, int) or max_rows < 0:
+            raise ValueError(f"AuditReport.table(max_rows={max_rows!r}): expected an int >= 0")
+
+        return render(self, max_rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, JSON-serialisable data (``json.dumps(report.to_dict())``)."""
+        first = None
+        if self.first_nonfinite is not None:
+            first = next(i for i, r in enumerate(self.records) if r is self.first_nonfinite)
+        return {"records": [r.to_dict() for r in self.records],
+                "first_nonfinite": first,
+                "grad_histogram": None if self.grad_histogram is None
+                else self.grad_histogram.to_dict(),
+                "aggregate": self.aggregate,
+                "summary": self.summary()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "AuditReport":
+        """Rebuild a report from :meth:`to_dict` output (e.g. after ``json.loads``)."""
+        records = [OpRecord.from_dict(r) for r in data["records"]]
+        first = data.get("first_nonfinite")
+        hist = data.get("grad_histogram")
+        return cls(records, records[first] if first is not None else None,
+                   GradHistogram.from_dict(hist) if hist is not None else None,
+                   bool(data.get("aggregate", False)))
+
+    def __iter__(self) -> Iterator[OpRecord]:
+        return iter(self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+class _AuditSession:
+    """The context manager :func:`audit` returns; owns the mode, the hooks and the report."""
+
+    def __init__(self, aggregate: bool) -> None:
+        self.report = AuditReport(aggregate=aggregate)
+        self._where = Attribution(max_segments=_MAX_SEGMENTS if aggregate else None)
+        self._recorder = Recorder(self._where, aggregate)
+        self._mode = _AuditMode(self._recorder)
+        self._entered = False
+
+    def __enter__(self) -> AuditReport:
+        if self._entered:
+            raise RuntimeError("amprewrite.audit(): this context was already entered; it is "
+                               "not reentrant. Open a new one: with amprewrite.audit() as r:")
+        self._entered = True
+        self._where.start()
+        try:
+            self._mode.__enter__()
+        except BaseException:
+            self._where.stop()
+            raise
+        return self.report
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._mode.__exit__(*exc)
+        finally:
+            self._where.stop()
+            release_scratch()
+        self._build()
+
+    def _build(self) -> None:
+        recorder = self._recorder
+        if recorder.failures:
+            warnings.warn(
+                f"amprewrite.audit: {len(recorder.failures)} op call(s) could not be recorded "
+                f"and are missing from the report; the first: {recorder.failures[0]}",
+                stacklevel=3)
+        stats, hist, grad_max = recorder.finish()
+        records = []
+        first_call, first = None, None
+        for group, s in zip(recorder.groups, stats):
+            m = group.meta
+            record = OpRecord(
+                op=m.op, node=m.node, module=m.module, phase=m.phase, in_dtypes=m.in_dtypes,
+                out_dtype=m.out_dtype, shape=m.shape, max_abs=s.max_abs,
+                min_nonzero_abs=s.min_nonzero_abs, nonfinite=s.nonfinite,
+                fp16_overflow=s.fp16_overflow, fp16_underflow=s.fp16_underflow, cast=m.cast,
+                grad_fn=m.grad_fn, produced_nonfinite=s.producer_call is not None,
+                count=group.count, flops=group.flops, cast_bytes=group.nbytes)
+            records.append(record)
+            if s.producer_call is not None and (first_call is None or s.producer_call < first_call):
+                first_call, first = s.producer_call, record
+        self.report.records = records
+        self.report.first_nonfinite = first
+        if hist is not None:
+            self.report.grad_histogram = GradHistogram.from_counts(hist, grad_max)
+
+
+def audit(*, aggregate: bool = False) -> _AuditSession:
+    """Record every op that runs inside the ``with`` block, forward and backward.
+
+    Works for any module: a converted GraphModule (rows carry the FX ``node`` name), an eager
+    model, or an eager model under ``torch.autocast``. Backward ops are attributed to the
+    forward node/module that created them. Statistics stay on the tensors' device until the
+    block exits, then are read back once.
+
+    Args:
+        aggregate: keep one row per (node or module, op, phase, dtypes) with ``count``,
+            max/min and summed counts, instead of one row per call: bounded memory for long
+            runs (a training loop under one audit).
+
+    Returns:
+        A context manager; ``with audit() as report`` binds the :class:`AuditReport`, which
+        is filled in when the block exits.
+    """
+    if not isinstance(aggregate, bool):
+        raise TypeError(f"amprewrite.audit(aggregate={aggregate!r}): expected True or False")
+    return _AuditSession(aggregate)

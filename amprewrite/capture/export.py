@@ -1,0 +1,359 @@
+"""Export capture: ``torch.export`` in the AMP regime, made ready for the passes.
+
+**The regime.** Model code often reads a dtype off a tensor at run time: ``x.to(y.dtype)``,
+``torch.finfo(scores.dtype).min``, ``dtype=hidden_states.dtype``, ``if h.dtype ==
+torch.float16: clamp``. ``torch.export`` runs that Python once and records its result as a
+literal. Traced on fp32 tensors, the literal is fp32, while the converted graph computes ``y``
+in low precision: the rewrite would keep an fp32 cast (or fill fp32's minimum into a bf16
+tensor) where eager autocast follows the real dtype. So the model is traced *under*
+``torch.autocast(device, low_dtype)``: every op is still recorded as the model wrote it
+(autocast acts below the recording, no cast is recorded), but the fake tensors the Python
+code sees carry the dtypes autocast gives them, and so do the recorded literals. The passes
+then insert the policy's explicit casts and recompute every dtype.
+
+Before (traced on fp32)::
+
+    to = torch.ops.aten.to.dtype(y, torch.float32)              # y.to(h.dtype)
+    masked_fill = torch.ops.aten.masked_fill.Scalar(s, m, -3.4028234663852886e+38)
+
+After (traced in the bf16 regime)::
+
+    to = torch.ops.aten.to.dtype(y, torch.bfloat16)
+    masked_fill = torch.ops.aten.masked_fill.Scalar(s, m, -3.3895313892515355e+38)
+
+**Faithful conversions** (:class:`_FaithfulConversions`): ``x.float()`` on an fp32 ``x``
+becomes a copy rather than ``x`` itself, and ``x.to(device)`` is recorded without a dtype
+(export otherwise records it as ``to(dtype=<x's dtype then>, device=...)``, a cast to the
+traced dtype).
+
+**Sub-graphs**: the model's own ``torch.autocast`` regions and ``torch.no_grad()`` /
+``enable_grad()`` regions arrive as ``wrap_with_autocast`` / ``wrap_with_set_grad_enabled``
+higher-order ops. They are inlined, their nodes tagged with the region (``REGION_KEY``,
+``GRAD_KEY``), so that every pass sees one flat graph; a grad region becomes explicit
+``torch._C._set_grad_enabled`` calls around its nodes, as in Dynamo's graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import sys
+import warnings
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from ..errors import AmpRewriteError
+from ..graph.queries import mutated
+from .facts import GRAD_KEY, REGION_KEY, TRACED_IN_FP32, Region
+
+__all__ = ["capture_export", "Regime"]
+
+Regime = tuple[str, torch.dtype]
+"""``(device_type, low dtype)`` of the ``torch.autocast`` a model is traced under."""
+
+
+def capture_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, *,
+                   regime: Regime | None, dynamic: bool = True,
+                   faithful: bool = True) -> fx.GraphModule:
+    """Capture ``model`` with ``torch.export`` (non-strict).
+
+    Args:
+        regime: trace under ``torch.autocast(*regime)`` (see the module docstring); None
+            traces the model as it is (opt level O0). If the model cannot be traced under
+            autocast, it is traced without, with a warning.
+        dynamic: dynamic dimensions where the model allows them, so that the converted
+            module accepts other batch sizes and lengths; False keeps the example's shapes.
+        faithful: record dtype conversions and device moves as eager runs them (see
+            :class:`_FaithfulConversions`); off for O0, which keeps the graph as exported.
+    """
+    shapes = _auto_dynamic_shapes(args, kwargs) if dynamic else None
+    try:
+        ep = _export(model, args, kwargs, shapes, regime, faithful)
+    except Exception as exc:
+        if regime is None:
+            raise _capture_error(model, exc) from exc
+        try:
+            ep = _export(model, args, kwargs, shapes, None, faithful)
+        except Exception:
+            raise _capture_error(model, exc) from exc
+        warnings.warn(
+            f"amprewrite: {type(model).__name__} could not be traced under "
+            f"torch.autocast{regime} ({type(exc).__name__}: {_first_line(exc)}); it was traced "
+            "in fp32, so dtypes the model reads off its tensors (x.to(y.dtype), "
+            "torch.finfo(x.dtype)) are recorded as fp32.", stacklevel=3)
+        regime = None
+    unlifted = ep.module()
+    gm = fx.GraphModule(unlifted, unlifted.graph, class_name=type(model).__name__)
+    gm.meta[TRACED_IN_FP32] = regime is None
+    _inline_regions(gm)
+    _drop_dtype_assertions(gm)
+    if faithful:
+        _restore_mutated_aliases(gm)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    gm.train(model.training)
+    return gm
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, shapes: Any,
+            regime: Regime | None, faithful: bool) -> torch.export.ExportedProgram:
+    _register_hf_caches(model)
+    with contextlib.ExitStack() as stack, _SeenFunctions() as functions:
+        if faithful:
+            stack.enter_context(_FaithfulConversions())
+        if regime is not None:
+            stack.enter_context(torch.autocast(regime[0], dtype=regime[1]))
+        ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+    if functions.seen:
+        names = ", ".join(sorted(functions.seen))
+        warnings.warn(
+            f"amprewrite: {type(model).__name__} calls custom torch.autograd.Function(s) "
+            f"{names}. torch.export records the ops of their forward, so autograd "
+            "differentiates those ops instead of calling their own backward: gradients through "
+            "them can differ from the model's (outputs do not). To keep them whole, convert "
+            "with amprewrite.compile(model), whose capture keeps a Function's backward.",
+            stacklevel=4)
+    return ep
+
+
+def _register_hf_caches(model: nn.Module) -> None:
+    """Let torch.export flatten transformers' KV-cache objects (``DynamicCache``...), which a
+    model with ``use_cache=True`` returns; transformers ships the registration."""
+    if "transformers" not in sys.modules:
+        return
+    try:
+        from transformers.exporters.exporter_dynamo import (
+            register_cache_pytrees_for_model,
+        )
+    except ImportError:  # transformers before its exporters package
+        try:
+            from transformers.integrations.executorch import (
+                register_dynamic_cache_export_support,
+            )
+        except ImportError:
+            return
+        register_dynamic_cache_export_support()
+        return
+    register_cache_pytrees_for_model(model)
+
+
+class _SeenFunctions:
+    """Records which user-defined ``torch.autograd.Function`` classes run while it is open."""
+
+    def __enter__(self) -> "_SeenFunctions":
+        self.seen: set[str] = set()
+        # NB: the classmethod descriptor itself, not ``Function.apply`` (a method bound to
+        # Function): putting a bound method back would bind every subclass's apply to Function.
+        self._apply = torch.autograd.Function.__dict__["apply"]
+        seen, apply = self.seen, self._apply.__func__
+
+        def recording_apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+            if not cls.__module__.startswith("torch."):
+                seen.add(f"{cls.__module__}.{cls.__qualname__}")
+            return apply(cls, *args, **kwargs)
+
+        torch.autograd.Function.apply = classmethod(recording_apply)  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        setattr(torch.autograd.Function, "apply", self._apply)
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else ""
+
+
+def _capture_error(model: nn.Module, exc: BaseException) -> AmpRewriteError:
+    return AmpRewriteError(
+        f"torch.export could not capture {type(model).__name__}: {type(exc).__name__}: "
+        f"{_first_line(exc)}\n"
+        "Models with data-dependent control flow or graph breaks convert with "
+        "amprewrite.compile(model) (a torch.compile backend) instead.")
+
+
+def _auto_dynamic_shapes(args: tuple, kwargs: dict[str, Any] | None) -> Any:
+    auto = torch.export.Dim.AUTO
+
+    def spec(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return {i: auto for i in range(x.dim())}
+        if isinstance(x, (list, tuple)):
+            return type(x)(spec(v) for v in x)
+        if isinstance(x, dict):
+            return {k: spec(v) for k, v in x.items()}
+        return None
+
+    if kwargs:
+        return None  # mixing positional and keyword specs: keep shapes static
+    return tuple(spec(a) for a in args)
+
+
+# ---------------------------------------------------------------------------------------------
+# conversions as eager runs them
+class _FaithfulConversions(torch.overrides.TorchFunctionMode):
+    """Record dtype conversions and device moves as eager runs them.
+
+    * ``x.float()`` / ``x.to(dtype)`` on an ``x`` that already has that dtype is recorded as
+      a copy (``_to_copy``). NB: in eager such a call returns ``x`` itself, and export, which
+      follows tensors by identity, would route every later use of ``x`` through the
+      conversion node; once AMP gives ``x`` another dtype, those uses would change precision.
+      EliminateCastsPass removes the copies that stay identities.
+    * ``x.to(device)`` (no dtype) is recorded as ``aten.to.dtype_layout(x, device=...)``
+      without a dtype, so it keeps whatever dtype ``x`` has at run time. Export would record
+      the traced dtype, a cast in disguise.
+    """
+
+    _METHODS = {torch.Tensor.float: torch.float32, torch.Tensor.half: torch.float16,
+                torch.Tensor.bfloat16: torch.bfloat16, torch.Tensor.double: torch.float64}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and args and isinstance(args[0], torch.Tensor):
+            moved = _device_move(args, kwargs)
+            if moved is not None:
+                return moved
+        dtype = self._METHODS.get(func)
+        if dtype is None and func is torch.Tensor.to:
+            dtype = _plain_dtype_conversion(args, kwargs)
+        if dtype is not None and len(args) == (1 if func is not torch.Tensor.to else 2) and \
+                isinstance(args[0], torch.Tensor) and args[0].dtype == dtype:
+            return torch.ops.aten._to_copy.default(args[0], dtype=dtype)
+        return func(*args, **kwargs)
+
+
+def _device_move(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """``x.to(device[, non_blocking])`` without a dtype, as a dtype-less ``aten.to``."""
+    if len(args) > 1 and isinstance(args[1], torch.Tensor):
+        return None  # x.to(other): other's dtype too
+    try:
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+    except Exception:
+        return None  # not a form we understand: let Tensor.to raise or run as written
+    if dtype is not None or device is None or memory_format is not None or \
+            kwargs.get("copy", False):
+        return None
+    return torch.ops.aten.to.dtype_layout(args[0], device=device, non_blocking=non_blocking)
+
+
+def _plain_dtype_conversion(args: Any, kwargs: Any) -> torch.dtype | None:
+    if len(args) == 2 and isinstance(args[1], torch.dtype) and not kwargs:
+        return args[1]
+    return None
+
+
+def _restore_mutated_aliases(gm: fx.GraphModule) -> None:
+    """Undo :class:`_FaithfulConversions`' copies where the copy is written in place.
+
+    ``y = x.float(); y.add_(1)`` on an fp32 ``x`` mutates ``x`` in eager (``y`` *is* ``x``).
+    Such a conversion becomes ``aten.to.dtype`` again, which returns its input itself when
+    the dtypes match at run time, as eager does, and a copy when AMP changed the input's dtype,
+    as eager under autocast does.
+    """
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten._to_copy.default \
+                or set(node.kwargs) != {"dtype"} or len(node.args) != 1:
+            continue
+        source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        dtype = node.kwargs["dtype"]
+        if isinstance(source, torch.Tensor) and source.dtype == dtype and mutated(node):
+            node.target = torch.ops.aten.to.dtype
+            node.args, node.kwargs = (node.args[0], dtype), {}
+
+
+# ---------------------------------------------------------------------------------------------
+# graph clean-up
+def _all_graphs(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
+    """``gm`` and the sub-GraphModules its higher-order ops call (``torch.cond`` branches)."""
+    yield gm
+    for child in gm.children():
+        if isinstance(child, fx.GraphModule):
+            yield from _all_graphs(child)
+
+
+def _drop_dtype_assertions(gm: fx.GraphModule) -> None:
+    """Export records the dtypes it saw as ``_assert_tensor_metadata`` checks; after
+    conversion those dtypes change by design, so the checks go, in sub-graphs too."""
+    for graph_module in _all_graphs(gm):
+        for node in list(graph_module.graph.nodes):
+            if node.op == "call_function" and node.target in (
+                    torch.ops.aten._assert_tensor_metadata.default,):
+                graph_module.graph.erase_node(node)
+        if graph_module is not gm:
+            graph_module.recompile()
+
+
+_AUTOCAST_HOP = torch.ops.higher_order.wrap_with_autocast
+_GRAD_HOP = torch.ops.higher_order.wrap_with_set_grad_enabled
+
+
+def _inline_regions(gm: fx.GraphModule) -> None:
+    """Replace each ``wrap_with_autocast(device, dtype, enabled, cache, submod, *xs)`` and
+    ``wrap_with_set_grad_enabled(enabled, submod, *xs)`` node by the submodule's nodes,
+    tagged with their region (innermost wins), so that the passes see and honour the model's
+    own regions: an autocast region decides the op's rule (no autocast is entered at run
+    time), a grad region is kept as ``torch._C._set_grad_enabled`` calls around its nodes."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (_AUTOCAST_HOP, _GRAD_HOP):
+            continue
+        if node.target is _AUTOCAST_HOP:
+            device_type, dtype, enabled, _cache, submod_node, *operands = node.args
+            tag = (REGION_KEY, Region(device_type, dtype if enabled else None, bool(enabled)))
+        else:
+            enabled, submod_node, *operands = node.args
+            tag = (GRAD_KEY, bool(enabled))
+        sub = getattr(gm, submod_node.target)
+        _inline_regions(sub)
+        graph = gm.graph
+        with graph.inserting_before(node):
+            if tag[0] == GRAD_KEY:
+                previous = graph.call_function(torch.is_grad_enabled)
+                graph.call_function(torch._C._set_grad_enabled, (tag[1],))
+            outputs = _copy_nodes(gm, sub, submod_node.target, operands, tag)
+            if tag[0] == GRAD_KEY:
+                graph.call_function(torch._C._set_grad_enabled, (previous,))
+        _replace_tuple_uses(node, outputs)
+        graph.erase_node(node)
+        if not submod_node.users:
+            graph.erase_node(submod_node)
+        delattr(gm, submod_node.target)
+
+
+def _copy_nodes(gm: fx.GraphModule, sub: fx.GraphModule, prefix: str, operands: list[Any],
+                tag: tuple[str, Any]) -> Any:
+    """Copy ``sub``'s nodes before the insertion point of ``gm``; return its outputs."""
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    env: dict[fx.Node, Any] = dict(zip(placeholders, operands))
+    outputs: Any = None
+    for sub_node in sub.graph.nodes:
+        if sub_node.op == "placeholder":
+            continue
+        if sub_node.op == "output":
+            outputs = fx.node.map_arg(sub_node.args[0], lambda n: env[n])
+            continue
+        if sub_node.op == "get_attr":
+            name = f"{prefix}_{sub_node.target}"
+            setattr(gm, name, getattr(sub, str(sub_node.target)))
+            new = gm.graph.get_attr(name)
+        else:
+            new = gm.graph.node_copy(sub_node, lambda n: env[n])
+        new.meta = dict(sub_node.meta)
+        new.meta.setdefault(*tag)
+        env[sub_node] = new
+    return outputs
+
+
+def _replace_tuple_uses(node: fx.Node, outputs: Any) -> None:
+    """Point the ``node[i]`` users of a tuple-returning region at its i-th output."""
+    outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    for user in list(node.users):
+        if user.op != "call_function" or user.target is not operator.getitem:
+            raise AmpRewriteError(
+                f"cannot inline {node.format_node()}: its result is used whole by "
+                f"{user.format_node()}, not item by item. Convert with "
+                "amprewrite.compile(model) instead.")
+        user.replace_all_uses_with(outs[user.args[1]])
+        node.graph.erase_node(user)

@@ -1,0 +1,290 @@
+"""``python -m amprewrite``: see what amprewrite does to a model, from the shell.
+
+::
+
+    python -m amprewrite demo                              # a small transformer, end to end
+    python -m amprewrite explain pkg.module:factory        # your model: graph + decisions
+    python -m amprewrite audit pkg.module:factory          # your model: one training step
+
+A factory is a function of no arguments returning ``(model, example_inputs)`` (a module and a
+tuple of positional inputs), or ``(model, example_inputs, example_kwargs)``. Targets may also
+be files: ``path/to/file.py:factory``. Errors in the target or in what the factory returns are
+reported on one line (exit status 2); a model that cannot be converted exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import difflib
+import importlib
+import importlib.util
+import io
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+__all__ = ["main"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_POLICIES = ("default", "autocast-cpu", "autocast-cuda")
+_CAPTURES = ("export", "symbolic", "compile")
+
+
+class CliError(Exception):
+    """A user error the CLI reports as one line, without a traceback."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m amprewrite",
+        description="Automatic mixed precision as a graph rewrite: show the rewritten graph, "
+                    "every precision decision, and the dtypes of a training step.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16",
+                        help="low precision dtype (default: bf16)")
+    common.add_argument("--policy", choices=_POLICIES, default="default",
+                        help="default: CUDA AMP rules on every device; autocast-cpu / "
+                             "autocast-cuda: exactly torch.autocast's lists for that device")
+    common.add_argument("--capture", choices=_CAPTURES, default="export",
+                        help="export (default), symbolic, or compile (the torch.compile "
+                             "backend, for models with graph breaks)")
+    common.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    sub.add_parser("demo", parents=[common],
+                   help="convert a small transformer; print its graph, decisions and audit")
+    for name, text in (("explain", "print the rewritten graph and every decision"),
+                       ("audit", "audit the dtypes and ranges of one training step")):
+        cmd = sub.add_parser(name, parents=[common], help=text)
+        cmd.add_argument("target", help="pkg.module:factory or path/to/file.py:factory; "
+                                        "the factory returns (model, example_inputs)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "demo":
+            from .demo import demo_factory
+
+            model, inputs, kwargs = _check_factory_result(demo_factory(), "demo")
+        else:
+            model, inputs, kwargs = _check_factory_result(
+                _call_factory(_load_factory(args.target), args.target), args.target)
+    except CliError as exc:
+        print(f"amprewrite: error: {exc}", file=sys.stderr)
+        return 2
+    # torch logs graph dumps and warnings of failed captures; our message says what matters.
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    try:
+        result = _run(args, model, inputs, kwargs)
+    except CliError as exc:
+        print(f"amprewrite: error: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError, RuntimeError) as exc:  # AmpRewriteError is a RuntimeError
+        hint = "\nFrom the command line: add --capture compile." if \
+            "could not capture" in str(exc) and args.capture != "compile" else ""
+        print(f"amprewrite: cannot convert {type(model).__name__}: {type(exc).__name__}: "
+              f"{exc}{hint}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2) if args.json else result)
+    return 0
+
+
+# -- targets ----------------------------------------------------------------------------------
+def _load_factory(target: str) -> Callable[[], Any]:
+    module_name, sep, attr = target.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise CliError(f"target {target!r} must look like 'pkg.module:factory' or "
+                       "'path/to/file.py:factory'")
+    try:
+        if module_name.endswith(".py") or "/" in module_name:
+            module = _import_file(Path(module_name))
+        else:
+            sys.path.insert(0, str(Path.cwd()))  # as `python -m` does for the current folder
+            module = importlib.import_module(module_name)
+    except CliError:
+        raise
+    except Exception as exc:  # an import runs the user's code: any error means "cannot load"
+        raise CliError(f"cannot import {module_name!r} (from target {target!r}): "
+                       f"{type(exc).__name__}: {_first_line(exc)}") from None
+    factory = getattr(module, attr, None)
+    if factory is None:
+        names = [n for n in vars(module) if not n.startswith("_")]
+        near = difflib.get_close_matches(attr, names, 3)
+        raise CliError(f"module {module_name!r} has no attribute {attr!r}"
+                       + (f"; did you mean {', '.join(map(repr, near))}?" if near else ""))
+    if not callable(factory):
+        raise CliError(f"{target!r} is a {type(factory).__name__}, not a function; expected a "
+                       "factory returning (model, example_inputs)")
+    return factory
+
+
+def _call_factory(factory: Callable[[], Any], target: str) -> Any:
+    try:
+        return factory()
+    except Exception as exc:  # the user's code: report it, do not crash with a traceback
+        raise CliError(f"factory {target!r} raised {type(exc).__name__}: "
+                       f"{_first_line(exc)}") from None
+
+
+def _import_file(path: Path) -> Any:
+    if not path.is_file():
+        raise CliError(f"no such file: {str(path)!r}")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def _check_factory_result(result: Any, target: str) -> tuple[nn.Module, tuple, dict]:
+    where = f"factory {target!r}"
+    if not isinstance(result, tuple) or len(result) not in (2, 3):
+        raise CliError(f"{where} returned {_describe(result)}; expected a tuple "
+                       "(model, example_inputs) or (model, example_inputs, example_kwargs)")
+    model, inputs, kwargs = (tuple(result) + ({},))[:3]
+    if not isinstance(model, nn.Module):
+        raise CliError(f"{where} returned {_describe(model)} as the model; expected a "
+                       "torch.nn.Module")
+    if isinstance(inputs, torch.Tensor):
+        raise CliError(f"{where} returned a Tensor as example_inputs; expected a tuple of "
+                       "positional inputs: return (model, (x,))")
+    if not isinstance(inputs, tuple):
+        raise CliError(f"{where} returned {_describe(inputs)} as example_inputs; expected a "
+                       "tuple of positional inputs, e.g. (x,)")
+    if not isinstance(kwargs, dict):
+        raise CliError(f"{where} returned {_describe(kwargs)} as example_kwargs; expected a "
+                       "dict")
+    return model, inputs, kwargs
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, tuple):
+        return f"a tuple of {len(value)}"
+    return f"a {type(value).__name__}"
+
+
+# -- the commands -----------------------------------------------------------------------------
+def _policy(name: str, dtype: torch.dtype) -> Any:
+    from .policy.policy import Policy
+
+    if name == "default":
+        return Policy(dtype=dtype)
+    return Policy.autocast(name.split("-")[1], dtype)
+
+
+def _convert(args: argparse.Namespace, model: nn.Module, inputs: tuple,
+             kwargs: dict) -> tuple[Any, str, Callable[[], Any]]:
+    """(what explain() takes, the rewritten code, a call of the converted model)."""
+    from .compile_backend import compile as amp_compile
+    from .convert import convert
+
+    dtype = _DTYPES[args.dtype]
+    policy = _policy(args.policy, dtype)
+    if args.capture == "compile":
+        compiled = amp_compile(model, policy=policy, dtype=dtype, eager=True)
+        compiled(*inputs, **kwargs)  # graphs are captured on the first call
+        graphs = compiled.amprewrite_backend.graphs
+        code = "\n".join(f"# graph {i}{gm.code}" for i, gm in enumerate(graphs))
+        return compiled, code, lambda: compiled(*inputs, **kwargs)
+    gm = convert(model, inputs, example_kwargs=kwargs or None, policy=policy, dtype=dtype,
+                 capture=args.capture)
+    return gm, gm.code.strip("\n"), lambda: gm(*inputs, **kwargs)
+
+
+def _run(args: argparse.Namespace, model: nn.Module, inputs: tuple, kwargs: dict) -> Any:
+    from .explain import explain, explain_records
+
+    if args.command in ("demo", "audit") and args.capture == "compile":
+        # NB: torch.compile runs a model eagerly, unconverted, while a dispatch mode (the
+        # auditor's) is active: the audit would describe fp32 ops that never run converted.
+        raise CliError(f"{args.command} cannot use --capture compile: torch.compile skips "
+                       "its compiled graphs under the auditor; use --capture export or "
+                       "symbolic, or 'explain --capture compile' for the decisions")
+    # NB: a failed torch.export prints its partial graph; our error message says what matters.
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        converted, code, call = _convert(args, model, inputs, kwargs)
+    out: dict[str, Any] = {}
+    if args.command in ("demo", "explain"):
+        out["code"] = code
+        out["explain"] = explain_records(converted) if args.json else explain(converted)
+    else:
+        out["summary"] = [r["summary"] for r in explain_records(converted)]
+    if args.command in ("demo", "audit"):
+        loss_fn = _demo_loss if args.command == "demo" else _generic_loss
+        out["audit"] = _audit_step(model, call, loss_fn, as_dict=args.json,
+                                   max_rows=15 if args.command == "demo" else 40)
+    if args.command == "demo":
+        out["accuracy"] = _accuracy(model, inputs, converted, call, _DTYPES[args.dtype])
+    return out if args.json else _text(out)
+
+
+def _text(out: dict[str, Any]) -> str:
+    titles = {"code": "rewritten graph (gm.code)", "explain": "decisions (amprewrite.explain)",
+              "summary": "decisions", "audit": "one training step (amprewrite.audit)",
+              "accuracy": "accuracy vs fp32"}
+    parts = []
+    for key, value in out.items():
+        if key == "summary":
+            value = "\n".join(json.dumps(s) for s in value)
+        parts.append(f"== {titles[key]} ==\n{value}")
+    return "\n\n".join(parts)
+
+
+def _demo_loss(out: torch.Tensor) -> torch.Tensor:
+    # Next-token prediction on the demo's own ids would need them here; a fixed target works
+    # as well to exercise every backward op.
+    target = torch.zeros(out.shape[:-1], dtype=torch.long, device=out.device)
+    return torch.nn.functional.cross_entropy(out.float().flatten(0, -2), target.flatten())
+
+
+def _generic_loss(out: Any) -> torch.Tensor:
+    leaves = [t for t in torch.utils._pytree.tree_leaves(out)
+              if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not leaves:
+        raise CliError("the model returned no floating-point tensor to take a loss of; "
+                       "audit needs one to run a backward pass")
+    return leaves[0].float().pow(2).mean()
+
+
+def _audit_step(model: nn.Module, call: Callable[[], Any],
+                loss_fn: Callable[[Any], torch.Tensor], as_dict: bool,
+                max_rows: int = 40) -> Any:
+    """Forward and backward of one training step under ``amprewrite.audit()``, then an SGD
+    step. Degrades to a note when the auditor is not available."""
+    try:
+        from .audit.report import audit
+    except ImportError as exc:
+        return {"unavailable": str(exc)} if as_dict else f"(auditor unavailable: {exc})"
+    params = [p for p in model.parameters() if p.requires_grad]
+    with audit() as report:
+        loss = loss_fn(call())
+        if loss.requires_grad:
+            loss.backward()
+    if params:
+        torch.optim.SGD(params, lr=1e-3).step()
+    return report.to_dict() if as_dict else report.table(max_rows=max_rows)
+
+
+def _accuracy(model: nn.Module, inputs: tuple, converted: Any, call: Callable[[], Any],
+              dtype: torch.dtype) -> Any:
+    with torch.no_grad():
+        fp32 = model(*inputs)
+        with torch.autocast("cpu", dtype=dtype):
+            autocast = model(*inputs)
+        ours = call()
+    err = (ours.float() - fp32).abs().max().item()
+    err_autocast = (autocast.float() - fp32).abs().max().item()
+    return (f"max |logits - fp32 logits|: amprewrite {err:.3g}, torch.autocast('cpu') "
+            f"{err_autocast:.3g}")

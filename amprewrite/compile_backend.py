@@ -1,0 +1,226 @@
+"""A ``torch.compile`` backend that rewrites every graph Dynamo captures.
+
+Dynamo splits a model at graph breaks and at data-dependent Python control flow; each piece
+arrives here as a torch-level GraphModule with fake-tensor ``meta["example_value"]``. Each one
+is rewritten by the same passes as :func:`amprewrite.convert` and then handed to Inductor, or
+run eagerly with ``eager=True``. Python between the graphs runs as written, so models that
+neither ``symbolic_trace`` nor ``torch.export`` can capture still convert and train::
+
+    compiled = amprewrite.compile(model)                       # one line
+    compiled = torch.compile(model, backend=amprewrite.backend(dtype=torch.bfloat16))
+
+What changes against ``convert``:
+
+* Parameters arrive as graph inputs (placeholders), not ``get_attr`` nodes, so their casts are
+  plain ``.to(dtype)`` nodes (autograd-tracked; Inductor fuses them into their consumers).
+* ``with torch.autocast(...)`` blocks of the model appear as ``_enter_autocast`` /
+  ``_exit_autocast`` nodes. The nodes between them are tagged with the region (as the symbolic
+  and export captures do) and the enter/exit nodes are dropped: the region's rule is now
+  explicit in the graph, and no autocast is entered at run time.
+* Node names are those of each Dynamo graph: read them from ``explain(b.graphs[i])``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .capture.facts import REGION_KEY, TRACED_IN_FP32, Region
+from .convert import resolve_dtype
+from .graph.meta import META_KEY
+from .hardware import model_device, warn_if_slow
+from .passes.pipeline import run_passes
+from .policy.policy import Policy, check_low_dtype
+from .runtime.weight_cache import CACHE_ATTR
+
+__all__ = ["backend", "compile", "AmpBackend"]
+
+_ENTER = torch.amp.autocast_mode._enter_autocast
+_EXIT = torch.amp.autocast_mode._exit_autocast
+
+
+class AmpBackend:
+    """The Dynamo backend returned by :func:`backend`; keeps every graph it rewrote.
+
+    Attributes:
+        policy: the policy every graph is rewritten with.
+        dtype: the low dtype; None picks fp16 for graphs with CUDA inputs, else bf16.
+        eager: run the rewritten graphs as Python instead of compiling them with Inductor.
+        graphs: the rewritten GraphModules, in capture order (``amprewrite.explain`` each).
+    """
+
+    def __init__(self, policy: Policy, dtype: torch.dtype | None, eager: bool) -> None:
+        self.policy = policy
+        self.dtype = dtype
+        self.eager = eager
+        self.graphs: list[fx.GraphModule] = []
+
+    def __repr__(self) -> str:
+        return (f"amprewrite.backend({self.policy.summary()}, dtype={self.dtype}, "
+                f"eager={self.eager}): {len(self.graphs)} graph(s) rewritten")
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        low = self._low_dtype(example_inputs)
+        ambient = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+        if ambient:
+            warnings.warn(
+                f"amprewrite.backend: torch.autocast({ambient[0]!r}) is active around the "
+                "compiled model, so autocast casts on top of amprewrite's explicit casts. "
+                "Call the compiled model outside torch.autocast.", stacklevel=2)
+        _adopt_example_values(gm)
+        _tag_autocast_regions(gm)
+        gm.meta.pop(META_KEY, None)
+        gm.meta[TRACED_IN_FP32] = True  # Dynamo ran the model's Python in fp32
+        # NB: the backend runs inside a tracing context whose fake mode is not the one of the
+        # graph's example values; the passes must re-run nodes in the values' own mode.
+        with torch._guards.tracing(None):
+            run_passes(gm, self.policy, low)
+        _plain_weight_casts(gm)
+        _publish_example_values(gm)
+        self.graphs.append(gm)
+        if self.eager:
+            return gm.forward
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, list(example_inputs))
+
+    def _low_dtype(self, example_inputs: Sequence[Any]) -> torch.dtype:
+        if self.dtype is not None:
+            return self.dtype
+        if self.policy.dtype is not None:
+            return self.policy.dtype
+        on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+        return torch.float16 if on_cuda else torch.bfloat16
+
+
+def backend(policy: Policy | None = None, dtype: torch.dtype | None = None, *,
+            eager: bool = False) -> AmpBackend:
+    """A ``torch.compile`` backend that converts each captured graph to mixed precision.
+
+    Args:
+        policy: op precision rules; default :class:`Policy()` (CUDA AMP rules everywhere).
+            Module overrides match the qualified names of ``model.named_modules()``; node
+            overrides match node names of the Dynamo graphs (see ``backend.graphs``).
+        dtype: torch.float16 or torch.bfloat16; default: the policy's, else fp16 for graphs
+            whose inputs are on CUDA and bf16 otherwise.
+        eager: run each rewritten graph eagerly instead of compiling it with Inductor
+            (fast to start; useful to debug and on machines without a C++ compiler).
+
+    Returns:
+        An :class:`AmpBackend`: pass it as ``torch.compile(model, backend=...)``; its
+        ``graphs`` list holds every rewritten graph for ``amprewrite.explain``.
+    """
+    if policy is None:
+        policy = Policy()
+    if not isinstance(policy, Policy):
+        raise TypeError(f"amprewrite.backend: policy must be an amprewrite.Policy, got "
+                        f"{type(policy).__name__}")
+    if dtype is not None:
+        check_low_dtype(dtype, "amprewrite.backend")
+    if not isinstance(eager, bool):
+        raise TypeError(f"amprewrite.backend: eager must be True or False, got {eager!r}")
+    return AmpBackend(policy, dtype, eager)
+
+
+def compile(model: nn.Module, *, policy: Policy | None = None, dtype: torch.dtype | None = None,
+            eager: bool = False, dynamic: bool | None = None,
+            fullgraph: bool = False) -> nn.Module:
+    """``torch.compile(model, backend=amprewrite.backend(...))`` in one line.
+
+    Module overrides of ``policy`` are checked against ``model.named_modules()`` here, so a
+    misspelt name fails now rather than matching nothing. ``dynamic`` and ``fullgraph`` are
+    passed to ``torch.compile``. The backend is ``compiled.amprewrite_backend``; its
+    ``graphs`` fill in as the model runs.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"amprewrite.compile expects a torch.nn.Module, got "
+                        f"{type(model).__name__}; for functions use torch.compile(fn, "
+                        "backend=amprewrite.backend()).")
+    policy = policy if policy is not None else Policy()
+    amp = backend(policy, dtype, eager=eager)
+    if amp.dtype is None:
+        amp.dtype = resolve_dtype(model, policy, None)
+    warn_if_slow(model_device(model, None, None), amp.dtype)
+    _check_module_overrides(model, policy)
+    compiled = torch.compile(model, backend=amp, dynamic=dynamic, fullgraph=fullgraph)
+    # NB: object.__setattr__, not setattr: the compiled wrapper forwards nn.Module attributes.
+    object.__setattr__(compiled, "amprewrite_backend", amp)
+    return compiled
+
+
+def _check_module_overrides(model: nn.Module, policy: Policy) -> None:
+    names = [q for q, _ in model.named_modules() if q]
+    unmatched = [p for p, _ in policy.module_overrides
+                 if not any(fnmatch.fnmatchcase(q, p) for q in names)]
+    if unmatched:
+        raise ValueError(
+            f"Policy module overrides match no module of {type(model).__name__}: "
+            + "; ".join(f"{p!r} (near: {', '.join(difflib.get_close_matches(p, names, 3)) or '-'})"
+                        for p in unmatched)
+            + ". Use qualified names as in model.named_modules(), globs allowed.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Dynamo graph → the metadata contract of the passes, and back
+def _adopt_example_values(gm: fx.GraphModule) -> None:
+    """Dynamo keeps fake values under ``example_value``; the passes read ``val``. Nodes
+    without a value (grad-mode switches, autocast enter/exit) get None: not a tensor."""
+    for node in gm.graph.nodes:
+        if node.op != "output":
+            node.meta["val"] = node.meta.get("example_value")
+
+
+def _publish_example_values(gm: fx.GraphModule) -> None:
+    """Inductor's graph passes read ``example_value``: keep it in step with the new dtypes."""
+    for node in gm.graph.nodes:
+        if node.op != "output" and node.meta.get("val") is not None:
+            node.meta["example_value"] = node.meta["val"]
+
+
+def _tag_autocast_regions(gm: fx.GraphModule) -> None:
+    """Tag the nodes inside the model's own ``torch.autocast`` blocks with their Region and
+    drop the enter/exit nodes (the passes make the region's rule explicit)."""
+    stack: list[Region] = []
+    markers: list[fx.Node] = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is _ENTER:
+            device_type, dtype, enabled = (list(node.args) + [None, None, True])[:3]
+            enabled = bool(enabled)
+            if enabled and dtype is None:
+                dtype = torch.get_autocast_dtype(device_type)
+            stack.append(Region(device_type, dtype if enabled else None, enabled))
+            markers.append(node)
+        elif node.op == "call_function" and node.target is _EXIT:
+            if stack:
+                stack.pop()
+            markers.append(node)
+        elif stack and node.op != "output":
+            node.meta[REGION_KEY] = stack[-1]
+    for node in reversed(markers):
+        for user in list(node.users):  # exit nodes use enter nodes; nothing else uses either
+            if user not in markers:
+                raise ValueError(f"amprewrite.backend: autocast marker {node.format_node()} "
+                                 f"is used by {user.format_node()}; expected only "
+                                 "_exit_autocast to use it.")
+        gm.graph.erase_node(node)
+
+
+def _plain_weight_casts(gm: fx.GraphModule) -> None:
+    """Casts of ``get_attr`` tensors go through a cache object in ``convert``'s graphs; under
+    Dynamo (constants only) they must be plain ``.to(dtype)`` nodes that Inductor can trace."""
+    cache_nodes = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == CACHE_ATTR]
+    for cache in cache_nodes:
+        for user in list(cache.users):
+            _, value, dtype = user.args
+            user.target = "to"
+            user.args = (value, dtype)
+        gm.graph.erase_node(cache)
+    if cache_nodes:
+        delattr(gm, CACHE_ATTR)
+        gm.recompile()

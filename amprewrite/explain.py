@@ -1,0 +1,172 @@
+"""``explain``: every precision decision of a converted graph, as a table.
+
+Collection (:func:`explain_records`, plain dicts for ``--json``) is kept apart from
+presentation (:func:`explain`, a fixed-width table whose layout does not depend on any
+formatting library's version, so it can be pinned in tests and diffed between runs).
+
+Example (``Sequential(Linear(8, 8), Softmax(-1))``, export capture, default policy)::
+
+    policy: default (CUDA AMP rules), low dtype bf16
+    node     op       category          dtype  out   rule           casts
+    -------  -------  ----------------  -----  ----  -------------  ------------------------------------------
+    linear   linear   lower             bf16   bf16  default table  input_1_bf16, _0_weight_bf16, _0_bias_bf16
+    softmax  softmax  fp32 (dtype arg)  f32    f32   default table  -
+    2 op nodes: 1 bf16, 1 f32; casts: 3 inserted, 0 eliminated, 0 guarded
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .compile_backend import AmpBackend
+from .graph.meta import META_KEY, cast_info, decision
+from .hardware import describe, model_device, slow_reason
+from .policy.tables import OpCategory
+
+__all__ = ["explain", "explain_records"]
+
+_COLUMNS = ("node", "op", "category", "dtype", "out", "rule", "casts")
+
+
+def short_dtype(dtype: Any) -> str:
+    """``torch.bfloat16`` → ``"bf16"``; other dtypes by their torch name; None → ``"-"``."""
+    if not isinstance(dtype, torch.dtype):
+        return "-"
+    names = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32",
+             torch.float64: "f64", torch.int64: "i64", torch.int32: "i32", torch.bool: "bool"}
+    return names.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _graphs(target: Any) -> list[tuple[str, fx.GraphModule]]:
+    """The converted graphs behind ``target``: a GraphModule from ``convert``, an
+    ``amprewrite.backend()`` object, or a model returned by ``amprewrite.compile``."""
+
+    amp = target.__dict__.get("amprewrite_backend") if hasattr(target, "__dict__") else None
+    if isinstance(amp, AmpBackend):
+        target = amp
+    if isinstance(target, AmpBackend):
+        if not target.graphs:
+            raise ValueError(
+                "amprewrite.explain: this backend has rewritten no graph yet; run the compiled "
+                "model once (graphs are captured on the first call), then explain it.")
+        return [(f"graph {i}", gm) for i, gm in enumerate(target.graphs)]
+    if not isinstance(target, fx.GraphModule):
+        raise TypeError(
+            f"amprewrite.explain expects a GraphModule returned by amprewrite.convert, an "
+            f"amprewrite.backend() or a model from amprewrite.compile; got "
+            f"{type(target).__name__}. Convert the model first: "
+            "explain(amprewrite.convert(model, example_inputs)).")
+    if "amprewrite_policy" not in target.meta:
+        raise ValueError(
+            f"amprewrite.explain: GraphModule {type(target).__name__} was not converted by "
+            "amprewrite (no decisions recorded); pass the result of amprewrite.convert(...).")
+    return [("", target)]
+
+
+def _row(node: fx.Node) -> dict[str, Any] | None:
+    rec = decision(node)
+    # torch.export's shape-guard call is bookkeeping, not an op of the model.
+    if rec is None or (node.op == "call_module" and node.target == "_guards_fn"):
+        return None
+    val = node.meta.get("val")
+    casts = [a.name for a in node.all_input_nodes if cast_info(a) is not None]
+    if not casts:  # guarded promote feeds through getitem nodes of one cast node
+        casts = [a.args[0].name for a in node.all_input_nodes
+                 if a.op == "call_function" and a.args and isinstance(a.args[0], fx.Node)
+                 and cast_info(a.args[0]) is not None and a.args[0].name in rec.casts]
+        casts = list(dict.fromkeys(casts))
+    return {
+        "node": node.name,
+        "op": rec.op,
+        "category": rec.category.value,
+        "dtype": short_dtype(rec.compute_dtype),
+        "out": short_dtype(val.dtype) if isinstance(val, torch.Tensor) else
+        ("?" if "val" not in node.meta else "-"),
+        "rule": rec.rule,
+        "casts": casts,
+        "guarded": rec.guarded,
+    }
+
+
+def _summary(gm: fx.GraphModule, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    report = gm.meta.get(META_KEY)
+    per_dtype = Counter(r["dtype"] if r["category"] != OpCategory.PASSTHROUGH.value
+                        else "passthrough" for r in rows)
+    eliminated = dict(getattr(report, "eliminated", Counter()))
+    return {
+        "op_nodes": len(rows),
+        "per_dtype": dict(sorted(per_dtype.items())),
+        "casts_inserted": getattr(report, "inserted", 0),
+        "casts_eliminated": sum(eliminated.values()),
+        "eliminated_by_rule": dict(sorted(eliminated.items())),
+        "guarded_casts": getattr(report, "guarded", 0),
+    }
+
+
+def explain_records(target: Any) -> list[dict[str, Any]]:
+    """The decisions behind :func:`explain` as plain dicts (JSON-ready), one per graph:
+    ``{"graph", "policy", "low_dtype", "nodes": [...], "summary": {...}}``."""
+    out = []
+    for title, gm in _graphs(target):
+        policy, low = gm.meta["amprewrite_policy"]
+        rows = [r for r in map(_row, gm.graph.nodes) if r is not None]
+        device = _graph_device(gm)
+        out.append({"graph": title, "policy": policy.summary(),
+                    "low_dtype": short_dtype(low), "hardware": describe(device),
+                    "fast_low_dtype": slow_reason(device, low) is None, "nodes": rows,
+                    "summary": _summary(gm, rows)})
+    return out
+
+
+def explain(target: Any) -> str:
+    """A table of every op node's precision decision, and a summary line.
+
+    Columns: ``node`` (FX node name, usable in ``Policy.override(nodes=...)``), ``op`` (the
+    canonical op name, usable in ``ops=...``), ``category``, ``dtype`` (what the op computes
+    in; ``-`` for passthrough ops), ``out`` (the dtype it produces), ``rule`` (the table,
+    override or autocast region that decided) and ``casts`` (cast nodes feeding it).
+
+    ``target`` is a GraphModule from :func:`amprewrite.convert`, an
+    :func:`amprewrite.backend` object, or a model from :func:`amprewrite.compile` (one
+    table per captured graph).
+    """
+    parts = []
+    for rec in explain_records(target):
+        slow = "" if rec["fast_low_dtype"] else \
+            f"; no fast {rec['low_dtype']} kernels here, expect it slower than fp32"
+        lines = [f"== {rec['graph']} ==" if rec["graph"] else "",
+                 f"policy: {rec['policy']}, low dtype {rec['low_dtype']}",
+                 f"hardware: {rec['hardware']}{slow}"]
+        rows = [[r[c] if c != "casts" else (", ".join(r[c]) or "-") for c in _COLUMNS]
+                for r in rec["nodes"]]
+        lines += _table(_COLUMNS, rows)
+        lines.append(_summary_line(rec["summary"]))
+        parts.append("\n".join(line for line in lines if line))
+    return "\n\n".join(parts)
+
+
+def _graph_device(gm: fx.GraphModule) -> torch.device:
+    """Where the graph computes: its parameters' device, else its example inputs'."""
+    inputs = tuple(n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder"))
+    return model_device(gm, inputs, None)
+
+
+def _summary_line(s: dict[str, Any]) -> str:
+    per = ", ".join(f"{n} {d}" for d, n in s["per_dtype"].items()) or "none"
+    by_rule = ", ".join(f"{k} {v}" for k, v in s["eliminated_by_rule"].items())
+    return (f"{s['op_nodes']} op nodes: {per}; casts: {s['casts_inserted']} inserted, "
+            f"{s['casts_eliminated']} eliminated{f' ({by_rule})' if by_rule else ''}, "
+            f"{s['guarded_casts']} guarded")
+
+
+def _table(header: tuple[str, ...], rows: list[list[str]]) -> list[str]:
+    widths = [max([len(h)] + [len(str(r[i])) for r in rows]) for i, h in enumerate(header)]
+
+    def line(cells: Any) -> str:
+        return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    return [line(header), line("-" * w for w in widths)] + [line(r) for r in rows]

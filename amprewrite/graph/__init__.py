@@ -1,0 +1,3 @@
+"""Facts about FX nodes that every later stage shares: the decision and cast records under one
+meta key (``meta``), re-running a node on fake tensors (``fake``), pure-cast and in-place
+queries (``queries``), and the generated code that calls torch's bindings (``codegen``)."""

@@ -1,0 +1,80 @@
+"""The metadata contract: tensor facts from ``node.meta["val"]``, our facts under one key.
+
+``node.meta["val"]`` (set by torch.export, Dynamo, or fake-tensor propagation) is the only
+source of dtype/device knowledge; :func:`tensor_meta` is the one accessor. Every decision
+amprewrite makes about a node is a frozen record stored under ``node.meta[META_KEY]``:
+a :class:`Decision` on op nodes, a :class:`CastInfo` on the cast nodes we insert.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from ..errors import AmpRewriteError
+from ..policy.tables import OpCategory
+
+__all__ = ["META_KEY", "Decision", "CastInfo", "tensor_meta", "has_tensor_meta", "decision",
+           "cast_info"]
+
+META_KEY = "amprewrite"
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """How one op node runs. ``rule`` says which table entry or override decided."""
+
+    op: str
+    category: OpCategory
+    compute_dtype: torch.dtype | None
+    rule: str
+    casts: tuple[str, ...] = ()
+    """Names of the cast nodes feeding this node (filled in by InsertCastsPass)."""
+    guarded: bool = False
+    """True when dtypes were unknown and the casts check their input at run time."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CastInfo:
+    """A cast node inserted by amprewrite."""
+
+    dtype: torch.dtype
+    guarded: bool
+    weight: bool
+    """True when the cast input is a parameter or buffer (get_attr)."""
+
+
+def tensor_meta(node: Any) -> torch.Tensor | None:
+    """The fake/meta tensor recorded for ``node``; None for non-nodes and non-tensor values.
+
+    Raises ``AmpRewriteError`` with the node if a node has no ``meta["val"]`` at all, since
+    passes that ask for dtypes must only run on graphs whose dtypes were propagated.
+    """
+    if not isinstance(node, Node):
+        return None
+    if "val" not in node.meta:
+
+        raise AmpRewriteError(
+            f"node {node.format_node()} has no meta['val']: dtypes of this graph were not "
+            "propagated. Capture with example inputs (convert(model, example_inputs=...))."
+        )
+    val = node.meta["val"]
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def has_tensor_meta(graph: torch.fx.Graph) -> bool:
+    """Whether every value-producing node of ``graph`` carries ``meta["val"]``."""
+    return all("val" in n.meta for n in graph.nodes if n.op not in ("output",))
+
+
+def decision(node: Node) -> Decision | None:
+    rec = node.meta.get(META_KEY)
+    return rec if isinstance(rec, Decision) else None
+
+
+def cast_info(node: Node) -> CastInfo | None:
+    rec = node.meta.get(META_KEY)
+    return rec if isinstance(rec, CastInfo) else None

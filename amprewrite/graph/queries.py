@@ -1,0 +1,113 @@
+"""Questions several passes ask of a graph: is this node a pure dtype conversion, and is this
+memory written in place?
+
+Both are conservative where they cannot know: an op that *may* return a view of its input
+counts as an alias, so a cast next to it is kept rather than removed.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..policy.opkey import is_inplace
+from ..runtime.functions import guarded_cast
+
+__all__ = ["cast_source", "mutated"]
+
+_METHOD_CASTS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
+                 "double": torch.float64}
+
+
+def cast_source(node: fx.Node) -> tuple[fx.Node, torch.dtype] | None:
+    """``(input, dtype)`` if ``node`` is a pure dtype conversion, else None.
+
+    Recognises our casts and the user's: ``x.to(dtype)``, ``x.float()``/``half()``/
+    ``bfloat16()``, ``aten._to_copy(x, dtype=...)``, ``aten.to.dtype(x, dtype)``.
+    """
+    if node.op == "call_method" and node.target in ("cast", "get") and len(node.args) == 3 \
+            and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr":
+        return node.args[1], node.args[2]  # a weight cast, or an O2 low-precision copy
+    if node.op == "call_method" and node.target == "to" and len(node.args) == 2 \
+            and isinstance(node.args[1], torch.dtype) and not node.kwargs:
+        return node.args[0], node.args[1]
+    if node.op == "call_method" and node.target in _METHOD_CASTS and len(node.args) == 1:
+        return node.args[0], _METHOD_CASTS[node.target]
+    if node.op == "call_function":
+        if node.target is torch.ops.aten._to_copy.default and set(node.kwargs) == {"dtype"}:
+            return node.args[0], node.kwargs["dtype"]
+        if node.target is torch.ops.aten.to.dtype and len(node.args) == 2 and not node.kwargs:
+            return node.args[0], node.args[1]
+        if node.target is guarded_cast:
+            return node.args[0], node.args[1]
+    return None
+
+
+# Torch-level calls (symbolic capture) whose result may share memory with their first input.
+# Over-approximated on purpose: a false "alias" only keeps a cast that could have gone.
+_VIEW_METHODS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "expand", "expand_as",
+    "narrow", "select", "split", "chunk", "unbind", "unsqueeze", "squeeze", "flatten",
+    "unflatten", "t", "T", "mT", "detach", "as_strided", "contiguous", "to", "type_as",
+    "movedim", "swapaxes", "diagonal", "real", "imag", "unfold", "tensor_split", "split_with_sizes",
+    "getitem", "float", "half", "bfloat16", "double", "type", "data",
+})
+
+
+def _is_view(node: fx.Node) -> bool:
+    """Whether ``node``'s result may alias one of its tensor inputs."""
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        # In-place ops return their (written) input too: that result aliases it as well.
+        return any(r.alias_info is not None for r in node.target._schema.returns)
+    if node.op == "call_function" and node.target is operator.getitem:
+        return True
+    if node.op in ("call_method", "call_function"):
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        return name in _VIEW_METHODS
+    return False
+
+
+def _writes(user: fx.Node, node: fx.Node) -> bool:
+    """Whether ``user`` writes into ``node`` in place (``x.add_(y)``, ``x[i] = y``, ``out=``)."""
+    if user.op == "call_function" and user.target is operator.setitem:
+        return bool(user.args) and user.args[0] is node
+    if user.kwargs.get("out") is node:
+        return True
+    if user.op == "call_function" and isinstance(user.target, torch._ops.OpOverload):
+        for i, arg in enumerate(user.target._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
+                if value is node:
+                    return True
+        return False
+    return is_inplace(user) and bool(user.args) and user.args[0] is node
+
+
+def _aliases(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node that may share its memory: views of it, and what it is a view
+    of (transitively, both ways)."""
+    seen = {node}
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        related = [u for u in n.users if _is_view(u)]
+        if _is_view(n):
+            related += [a for a in n.all_input_nodes]
+        for m in related:
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
+
+
+def mutated(*nodes: fx.Node) -> bool:
+    """Whether any in-place op of the graph writes into memory of one of ``nodes``."""
+    for node in nodes:
+        if not isinstance(node, fx.Node):
+            continue
+        for alias in _aliases(node):
+            if any(_writes(u, alias) for u in alias.users):
+                return True
+    return False

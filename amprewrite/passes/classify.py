@@ -1,0 +1,149 @@
+"""ClassifyPass: give every op node a :class:`~amprewrite.graph.meta.Decision`.
+
+The decision says which category the op falls in under the policy and which rule decided
+(an override, the model's own autocast region, or the preset table). It does not touch the
+graph's structure; :class:`~amprewrite.passes.insert_casts.InsertCastsPass` acts on it.
+
+Before (``gm.code``, symbolic capture)::
+
+    linear = torch._C._nn.linear(x, l_weight, l_bias)
+    softmax = torch.nn.functional.softmax(linear, dim = -1, _stacklevel = 3, dtype = None)
+
+After: unchanged code; ``linear.meta["amprewrite"] == Decision(op="linear",
+category=LOWER, compute_dtype=torch.bfloat16, rule="default table")`` and softmax's decision
+is ``FP32_DTYPE_ARG``.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from ..capture.facts import GRAD_MODE_FUNCTIONS, REGION_KEY, Region
+from ..graph.meta import META_KEY, Decision, cast_info
+from ..policy.opkey import is_inplace, op_key, overload_key
+from ..policy.policy import Policy
+from ..policy.tables import OpCategory
+from ..runtime.weight_table import is_fetch
+
+__all__ = ["ClassifyPass", "module_paths"]
+
+_CALLS = ("call_function", "call_method", "call_module")
+
+
+_DYNAMO_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+
+
+def module_paths(node: fx.Node) -> list[str]:
+    """Qualified names of the modules enclosing ``node``, outermost first."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = []
+    for key, value in stack.items():
+        path = value[0] if isinstance(value, tuple) else key
+        # Dynamo (and torch.export in some versions) prefixes paths with the root's local
+        # name: "L['self'].encoder.layer", or "L['fn'].0" for a compiled nn.Sequential.
+        path = _DYNAMO_ROOT.sub("", str(path))
+        if path:
+            paths.append(path)
+    if node.op == "call_module":
+        paths.append(str(node.target))
+    return paths
+
+
+def _cast_item(node: fx.Node) -> bool:
+    """``cast[i]``: an output of a multi-output cast (guarded_promote) or of the gathered
+    weight reads (``weights[i]``) is part of the cast, not an op of the model."""
+    if is_fetch(node):
+        return True
+    return (node.op == "call_function" and node.target is operator.getitem
+            and isinstance(node.args[0], fx.Node)
+            and (cast_info(node.args[0]) is not None or is_fetch(node.args[0])))
+
+
+def _is_export_guard(node: fx.Node) -> bool:
+    """torch.export's input-shape check (``self._guards_fn(x)``) and the grad-mode calls of an
+    inlined ``no_grad`` region: not ops of the model, never cast."""
+    return (node.op == "call_module" and node.target == "_guards_fn") or \
+        (node.op == "call_function" and node.target in GRAD_MODE_FUNCTIONS)
+
+
+class ClassifyPass(PassBase):
+    """Attach a Decision to every call node, per ``policy`` with low dtype ``dtype``."""
+
+    def __init__(self, policy: Policy, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.policy = policy
+        self.dtype = dtype
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        modified = False
+        for node in gm.graph.nodes:
+            if node.op not in _CALLS or cast_info(node) is not None or _cast_item(node) \
+                    or _is_export_guard(node):
+                continue
+            new = self.classify(node)
+            old = node.meta.get(META_KEY)
+            # A second run keeps the record an earlier run (and InsertCastsPass) completed:
+            # only a different category or rule is a change.
+            if isinstance(old, Decision) and (old.op, old.category, old.rule) == \
+                    (new.op, new.category, new.rule):
+                continue
+            node.meta[META_KEY] = new
+            modified = True
+        return PassResult(gm, modified)
+
+    def classify(self, node: fx.Node) -> Decision:
+        key = op_key(node)
+        category, rule = self._category(node, key)
+        low = self._region_dtype(node) or self.dtype
+        if category is OpCategory.LOWER:
+            dtype: torch.dtype | None = low
+        elif category in (OpCategory.FP32, OpCategory.FP32_DTYPE_ARG,
+                          OpCategory.FP32_APPEND_DTYPE):
+            dtype = torch.float32
+        elif category is OpCategory.PROMOTE:
+            dtype = low  # the floor; InsertCastsPass widens it from the input dtypes
+        else:
+            dtype = None
+        return Decision(op=key, category=category, compute_dtype=dtype, rule=rule)
+
+    def _category(self, node: fx.Node, key: str) -> tuple[OpCategory, str]:
+        policy = self.policy
+        override = policy.node_override(node.name)
+        if override is not None:
+            return override, f"node override {node.name!r}"
+        by_module = policy.module_override(module_paths(node))
+        if by_module is not None:
+            return by_module
+        override = policy.op_override(key)
+        if override is not None:
+            return override, f"op override {key!r}"
+        region = self._region(node)
+        if region is not None and not region.enabled:
+            return OpCategory.PASSTHROUGH, f"model's autocast({region.device_type!r}, " \
+                                           "enabled=False) region"
+        if is_inplace(node):
+            return OpCategory.PASSTHROUGH, "in-place op (never cast)"
+        by_table = policy.table_rule(key, overload_key(node)) or policy.composite_rule(key)
+        if by_table is not None:
+            return by_table
+        return policy.unlisted_rule(key)
+
+    def _region(self, node: fx.Node) -> Region | None:
+        """The model's own autocast region around ``node``, if it applies under this policy:
+        autocast presets honour only regions of their own device (as torch.autocast does);
+        the device-independent default policy honours every region."""
+        region = node.meta.get(REGION_KEY)
+        if region is None:
+            return None
+        if self.policy.device_type is not None and region.device_type != self.policy.device_type:
+            return None
+        return region
+
+    def _region_dtype(self, node: fx.Node) -> torch.dtype | None:
+        region = self._region(node)
+        return region.dtype if region is not None and region.enabled else None

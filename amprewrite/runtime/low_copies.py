@@ -1,0 +1,168 @@
+"""Low-precision working copies of fp32 master weights (``opt_level="O2"``).
+
+An O2 module computes with fp16/bf16 weights while the fp32 master weights stay its
+parameters (shared with the user's model). The forward's weight read names them::
+
+    weights = _amp_weights.fetch(('fc1.weight', torch.float16, 'low copy'), ..., store = _amp_low_copies)
+
+and :meth:`LowPrecisionCopies.get_many` returns the stored low-precision copies. The copy is *stored*, not cast
+per forward (what O2 means: weights held in low precision), and is refreshed from the
+master after each optimizer step by :class:`amprewrite.MasterWeights`, or lazily when the
+master was changed in place (``load_state_dict``, an in-place update: ``_version`` moves).
+
+Gradients: the copy of a master that requires grad is made *with* autograd, when it is
+stored (``master.to(dtype)`` in grad mode), so it carries a ``ToCopyBackward`` node whose
+backward hands its low-precision gradient to the master converted to fp32, and autograd
+accumulates it in fp32 in ``master.grad``: micro-batches of gradient accumulation sum in
+fp32, ``GradScaler.unscale_`` and clipping see fp32 gradients, and
+``torch.autograd.grad(loss, gm.parameters())`` works as usual. That node saves no tensor, so
+every forward until the next refresh can backpropagate through it; a forward adds nothing
+for the weights, neither a cast nor an autograd node.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+from ..errors import AmpRewriteError
+from .weight_cache import cast_batch
+
+__all__ = ["LowPrecisionCopies", "LOW_COPIES_ATTR"]
+
+LOW_COPIES_ATTR = "_amp_low_copies"
+
+
+class _Entry(NamedTuple):
+    master: weakref.ref
+    version: int
+    data_ptr: int
+    copy: torch.Tensor
+
+
+def _tracing(master: torch.Tensor) -> bool:
+    # Fake-tensor propagation at conversion time and tracers must see a plain cast, and must
+    # not leave fake copies in the store.
+    if isinstance(master, torch._subclasses.FakeTensor) or torch._is_functional_tensor(master):
+        return True
+    return get_proxy_mode() is not None or torch._guards.detect_fake_mode() is not None
+
+
+class LowPrecisionCopies:
+    """The low-precision copies of one O2 GraphModule's master weights."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, torch.dtype], _Entry] = {}
+        self.bindings = 0
+        """How many :class:`amprewrite.MasterWeights` refresh these copies after steps."""
+
+    def get(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The copy of ``master`` in ``dtype``; tracked back to ``master`` in grad mode."""
+        if master.dtype == dtype or _tracing(master):
+            return master.to(dtype)
+        training = master.requires_grad and torch.is_grad_enabled()
+        if training and self.bindings == 0:
+            raise AmpRewriteError(
+                "an opt_level='O2' module ran a forward that needs gradients, but no optimizer "
+                "is bound to its fp32 master weights, so its low-precision copies would not "
+                "follow the optimizer's updates (fused optimizers update in place without "
+                "telling autograd). Bind it before training: "
+                "masters = amprewrite.MasterWeights(gm, optimizer); or run under "
+                "torch.no_grad() for inference.")
+        return self._current(master, dtype)
+
+    def get_many(self, masters: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+        """:meth:`get` for many masters at once."""
+        if torch.compiler.is_compiling():
+            # A compiler sees plain casts (the same values: copies are the masters cast),
+            # which it can fuse; the store's Python bookkeeping would break its graph.
+            return [m.to(dtype) for m in masters]
+        # NB: tracing is a property of the call, not of a master: checked once (it looks at
+        # the dispatch mode stack, which costs microseconds).
+        if masters and (_tracing(masters[0]) or any(m.dtype == dtype for m in masters)):
+            return [self.get(m, dtype) for m in masters]
+        training = [i for i, m in enumerate(masters) if m.requires_grad] \
+            if torch.is_grad_enabled() else []
+        if training and self.bindings == 0:
+            self.get(masters[training[0]], dtype)  # raises the unbound-optimizer error
+        return self._current_many(masters, dtype)
+
+    def _current_many(self, masters: list[torch.Tensor], dtype: torch.dtype
+                      ) -> list[torch.Tensor]:
+        """:meth:`_current` of each master; the stale ones are remade in one batch."""
+        out: list[Any] = []
+        stale = []
+        for i, master in enumerate(masters):
+            key = (id(master), dtype)
+            entry = self._entries.get(key)
+            if (entry is not None and entry.master() is master
+                    and entry.version == master._version
+                    and entry.data_ptr == master.data_ptr()
+                    and entry.copy.requires_grad == master.requires_grad):
+                out.append(entry.copy)
+            else:
+                out.append(None)
+                stale.append((i, key, master))
+        if stale:
+            self._store_many([(key, master) for _, key, master in stale])
+            for i, key, _ in stale:
+                out[i] = self._entries[key].copy
+        return out
+
+    def _current(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self._current_many([master], dtype)[0]
+
+    def _store_many(self, items: list[tuple[tuple[int, torch.dtype], torch.Tensor]]) -> None:
+        """Make the copies of ``(key, master)`` pairs: one batched cast per dtype."""
+        # New tensors, not in-place copy_: a graph that saved an old copy for backward must
+        # keep seeing the values its forward used.
+        with torch.inference_mode(False):
+            # Copies of trained masters carry their cast's autograd node (module docstring),
+            # made one by one: a batched cast would put a cat and a view per weight between
+            # copy and master, and each view's backward would fill a whole flat buffer.
+            with torch.enable_grad():
+                made = [(key, m, m.to(key[1])) for key, m in items if m.requires_grad]
+            with torch.no_grad():
+                for dtype in {key[1] for key, m in items if not m.requires_grad}:
+                    group = [(key, m) for key, m in items
+                             if key[1] == dtype and not m.requires_grad]
+                    copies = cast_batch([m for _, m in group], dtype)
+                    made += [(key, m, c) for (key, m), c in zip(group, copies)]
+        for key, master, copy in made:
+            self._entries[key] = _Entry(weakref.ref(master), master._version,
+                                        master.data_ptr(), copy)
+
+    def refresh(self, masters: list[torch.Tensor] | None = None) -> None:
+        """Recompute the copies of ``masters`` (all stored ones when None) from their
+        current values, whatever their version counters say."""
+        wanted = None if masters is None else {id(m) for m in masters}
+        stale = []
+        for key, entry in list(self._entries.items()):
+            master = entry.master()
+            if master is None:
+                del self._entries[key]
+            elif wanted is None or id(master) in wanted:
+                stale.append((key, master))
+        self._store_many(stale)
+
+    def copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(master, copy)`` pairs currently stored."""
+        out = []
+        for entry in self._entries.values():
+            master = entry.master()
+            if master is not None:
+                out.append((master, entry.copy))
+        return out
+
+    def nbytes(self) -> int:
+        return sum(e.copy.numel() * e.copy.element_size() for e in self._entries.values())
+
+    # A copy of the module starts with no copies and no bound optimizer of its own.
+    def __deepcopy__(self, memo: dict) -> "LowPrecisionCopies":
+        return LowPrecisionCopies()
+
+    def __reduce__(self) -> Any:
+        return (LowPrecisionCopies, ())

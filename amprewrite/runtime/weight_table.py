@@ -1,0 +1,206 @@
+"""The weight table: every tensor one converted forward reads, fetched in one call.
+
+A converted forward starts with::
+
+    weights = _amp_weights.fetch(('b.0.l.weight', torch.bfloat16), ('b.0.n.weight',),
+                                 cache = _amp_weight_cache)
+    b_0_l_weight_bf16 = weights[0]
+    b_0_n_weight = weights[1]
+
+:class:`WeightTable` is the ``_amp_weights`` object: it reads each tensor through two dict
+lookups and hands the parameter casts to the cast cache (:mod:`.weight_cache`) or O2's stored
+copies (:mod:`.low_copies`) in batches. The functions below read that spelling off a graph
+(:func:`is_fetch`, :func:`read_name`, ...) and undo it (:func:`ungather_weights`); the pass
+that writes it is :mod:`amprewrite.passes.gather_weights`.
+
+An entry is ``(name,)`` for a tensor read as it is stored, ``(name, dtype)`` for a parameter
+cast and ``(name, dtype, 'low copy')`` for an O2 parameter's stored low-precision copy.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from ..errors import AmpRewriteError
+from .low_copies import LOW_COPIES_ATTR, LowPrecisionCopies
+from .weight_cache import CACHE_ATTR, WeightCastCache
+
+__all__ = ["WeightTable", "WEIGHTS_ATTR", "LOW_COPY", "is_fetch", "read_name",
+           "gathered_cast_dtype", "entry_nodes", "ungather_weights", "owner_node"]
+
+WEIGHTS_ATTR = "_amp_weights"
+
+
+LOW_COPY = "low copy"
+
+
+class WeightTable:
+    """Where the tensors of one converted forward live, and how to read them all at once.
+
+    Holds each tensor's owner module and attribute name, so a read is two dict lookups and
+    follows a replaced parameter (``module.weight = nn.Parameter(...)``). A copy of the
+    GraphModule (``copy.deepcopy``, pickling) copies the table with it, pointing at the copy's
+    modules; the cached low-precision copies are never copied (their owners start empty).
+    """
+
+    def __init__(self, root: nn.Module, entries: tuple[tuple[Any, ...], ...]) -> None:
+        self.entries = entries
+        self._slots = [_slot(root, entry[0]) for entry in entries]
+        self._casts = _by_dtype(entries, 2)
+        self._low = _by_dtype(entries, 3)
+
+    def fetch(self, *entries: tuple[Any, ...], cache: WeightCastCache | None = None,
+              store: LowPrecisionCopies | None = None) -> tuple[torch.Tensor, ...]:
+        """The tensors of ``entries`` (the table's own, repeated in the generated code so that
+        it shows them), cast where an entry names a dtype: parameter casts by ``cache``, O2
+        low copies from ``store`` (the module's own, passed by the graph so that copies of the
+        module keep them)."""
+        if len(entries) != len(self._slots):
+            raise AmpRewriteError(
+                f"the weight table of this module has {len(self._slots)} entries but the "
+                f"forward asks for {len(entries)}: the graph was edited after conversion. "
+                "Convert the model again.")
+        tensors = [_read(slot) for slot in self._slots]
+        out = list(tensors)
+        for dtype, indices in self._casts:
+            made = cache.cast_many([tensors[i] for i in indices], dtype)  # type: ignore[union-attr]
+            for i, t in zip(indices, made):
+                out[i] = t
+        for dtype, indices in self._low:
+            made = store.get_many([tensors[i] for i in indices], dtype)  # type: ignore[union-attr]
+            for i, t in zip(indices, made):
+                out[i] = t
+        return tuple(out)
+
+    def __repr__(self) -> str:
+        return f"WeightTable({len(self.entries)} entries)"
+
+
+def _by_dtype(entries: tuple[tuple[Any, ...], ...],
+              length: int) -> list[tuple[torch.dtype, list[int]]]:
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, entry in enumerate(entries):
+        if len(entry) == length:
+            groups.setdefault(entry[1], []).append(i)
+    return list(groups.items())
+
+
+def _slot(root: nn.Module, name: str) -> tuple[Any, str, nn.Module]:
+    """(the dict holding the tensor, its key, its owner) for a qualified attribute name."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = root.get_submodule(owner_name)
+    for store in ("_parameters", "_buffers"):
+        container = owner.__dict__.get(store)
+        if container is not None and attr in container:
+            return container, attr, owner
+    return owner.__dict__, attr, owner
+
+
+def _read(slot: tuple[Any, str, nn.Module]) -> torch.Tensor:
+    container, attr, owner = slot
+    value = container.get(attr)
+    return value if value is not None else getattr(owner, attr)
+
+
+def read_name(node: Any) -> str | None:
+    """The qualified name of the tensor ``node`` reads as stored (a ``get_attr``, or a
+    ``weights[i]`` item of a plain entry), else None."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "get_attr":
+        return str(node.target)
+    if node.op == "call_function" and node.target is operator.getitem and \
+            isinstance(node.args[0], fx.Node) and is_fetch(node.args[0]):
+        entry = node.args[0].args[1 + node.args[1]]
+        return entry[0] if len(entry) == 1 else None
+    return None
+
+
+def gathered_cast_dtype(node: Any) -> torch.dtype | None:
+    """The dtype a ``weights[i]`` item casts its parameter to, None for other nodes."""
+    if isinstance(node, fx.Node) and node.op == "call_function" and \
+            node.target is operator.getitem and isinstance(node.args[0], fx.Node) and \
+            is_fetch(node.args[0]):
+        entry = node.args[0].args[1 + node.args[1]]
+        return entry[1] if len(entry) > 1 else None
+    return None
+
+
+def entry_nodes(gm: fx.GraphModule) -> dict[str, str]:
+    """Tensor name -> the name of the first node that reads it (a ``get_attr``, or a gathered
+    ``weights[i]`` item)."""
+    out: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            out.setdefault(str(node.target), node.name)
+        elif node.op == "call_function" and node.target is operator.getitem and \
+                isinstance(node.args[0], fx.Node) and is_fetch(node.args[0]):
+            out.setdefault(node.args[0].args[1 + node.args[1]][0], node.name)
+    return out
+
+
+def is_fetch(node: fx.Node) -> bool:
+    return node.op == "call_method" and node.target == "fetch" and bool(node.args) and \
+        isinstance(node.args[0], fx.Node) and node.args[0].target == WEIGHTS_ATTR
+
+
+def ungather_weights(gm: fx.GraphModule, source: nn.Module | None = None) -> None:
+    """Undo :class:`GatherWeightsPass`: one ``get_attr`` per tensor and one cast node per
+    parameter cast, as the other passes expect them.
+
+    ``source``: the module whose attributes the tensors are (when ``gm`` is a new
+    GraphModule built from a gathered graph, it holds only the table, not the tensors)."""
+    from torch.fx.graph_module import _copy_attr
+
+    graph = gm.graph
+    for fetch in [n for n in graph.nodes if is_fetch(n)]:
+        holder, *entries = fetch.args
+        items = sorted(fetch.users, key=lambda item: item.args[1])
+        names = {entries[item.args[1]][0] for item in items}
+        for name in sorted(names):
+            if source is not None:
+                _copy_attr(source, gm, name)
+        reads: dict[str, fx.Node] = {}
+        for item in items:  # plain reads first: they become get_attr nodes in place
+            entry = entries[item.args[1]]
+            if len(entry) == 1 and entry[0] not in reads:
+                item.op, item.target, item.args, item.kwargs = "get_attr", entry[0], (), {}
+                reads[entry[0]] = item
+        for item in items:
+            entry = entries[item.args[1]] if item.op == "call_function" else None
+            if entry is None:
+                continue
+            if entry[0] not in reads:
+                with graph.inserting_before(item):
+                    reads[entry[0]] = graph.get_attr(entry[0])
+            if len(entry) == 1:  # a second plain read of one tensor
+                item.replace_all_uses_with(reads[entry[0]])
+                graph.erase_node(item)
+                continue
+            owner = owner_node(graph, LOW_COPIES_ATTR if len(entry) == 3 else CACHE_ATTR,
+                                gm, source)
+            item.op, item.target = "call_method", "get" if len(entry) == 3 else "cast"
+            item.args, item.kwargs = (owner, reads[entry[0]], entry[1]), {}
+        graph.erase_node(fetch)
+        graph.erase_node(holder)
+    if WEIGHTS_ATTR in gm.__dict__:
+        delattr(gm, WEIGHTS_ATTR)
+    graph.lint()
+    gm.recompile()
+
+
+def owner_node(graph: fx.Graph, attr: str, gm: fx.GraphModule,
+                source: nn.Module | None) -> fx.Node:
+    if attr not in gm.__dict__ and source is not None and attr in source.__dict__:
+        setattr(gm, attr, source.__dict__[attr])
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.target == attr:
+            return node
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first):
+        return graph.create_node("get_attr", attr)

@@ -1,0 +1,132 @@
+"""The package's architecture, checked: lower layers never import higher ones, no import cycles.
+
+Layers, lowest first (the README's "How it works" shows the same map)::
+
+    errors, hardware     no imports from the package
+    policy               which op runs in which precision (data and rules)
+    runtime              what converted graphs call while they run
+    graph                facts about nodes shared by capture, passes and tools
+    capture              model -> GraphModule
+    passes               the graph rewrite
+    convert              the entry point that runs capture and passes
+    compile_backend      the torch.compile backend (runs the passes on Dynamo graphs)
+    explain              the decisions of a converted graph, as a table
+    audit, training      what ran and in which dtype; master weights, loss scaling, memory
+    cli, demo            the command line
+
+An import guarded by ``if TYPE_CHECKING:`` is for annotations only and never runs; it may point
+to the same layer (``audit.tables`` names ``audit.report.AuditReport`` in annotations).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "amprewrite"
+
+LAYERS = [
+    {"errors", "hardware"},
+    {"policy"},
+    {"runtime"},
+    {"graph"},
+    {"capture"},
+    {"passes"},
+    {"convert"},
+    {"compile_backend"},
+    {"explain"},
+    {"audit", "training"},
+    {"cli", "demo"},
+    {"__main__", "__init__"},
+]
+RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+
+
+def _modules() -> dict[str, Path]:
+    """``"passes.classify"`` -> its path, for every module of the package."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking_block(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and \
+        node.test.id == "TYPE_CHECKING"
+
+
+def _runtime_imports(module: str, path: Path, known: set[str]) -> set[str]:
+    """The package modules ``module`` imports when it runs (any nesting, not type-only)."""
+    package = module.split(".")[:-1]  # "passes.classify" and "passes.__init__" -> ["passes"]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if _is_type_checking_block(node):
+            return
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+            target = ".".join(base + (node.module.split(".") if node.module else []))
+            for alias in node.names:
+                sub = f"{target}.{alias.name}" if target else alias.name
+                found.add(sub if sub in known else target)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("amprewrite"):
+            found.add(node.module.removeprefix("amprewrite").lstrip("."))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {m for m in found if m in known and m != module}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: _runtime_imports(m, p, set(modules)) for m, p in modules.items()}
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[0]
+    assert top in RANK, f"amprewrite.{module}: its folder or file {top!r} has no layer in " \
+                        "tests/test_layers.py LAYERS; add it where it belongs"
+    return RANK[top]
+
+
+def test_every_module_has_a_layer() -> None:
+    for module in _modules():
+        _layer(module)
+
+
+def test_lower_layers_never_import_higher_ones() -> None:
+    bad = [f"amprewrite.{m} (layer {_layer(m)}) imports amprewrite.{d} (layer {_layer(d)})"
+           for m, deps in _graph().items() for d in deps if _layer(d) > _layer(m)]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles: list[list[str]] = []
+
+    def walk(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycles.append(path[path.index(dep):] + [dep] if dep in path else [node, dep])
+            elif dep not in state:
+                walk(dep, path + [dep])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module, [module])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_import_parser_resolves_every_depth() -> None:
+    """The parser resolves relative imports at every depth (a check that resolved none would
+    pass trivially)."""
+    graph = _graph()
+    assert "capture.facts" in graph["passes.classify"]
+    assert "policy.tables" in graph["graph.meta"]
+    assert "passes.classify" in graph["audit.where"]
+    assert "audit.report" not in graph["audit.tables"]  # type-only import

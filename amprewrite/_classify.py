@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from ._calibrate import range_rule
 from ._capture import REGION_KEY, Region
 from ._export import GRAD_MODE_FUNCTIONS
 from ._meta import META_KEY, Decision, cast_info
@@ -110,7 +111,9 @@ class ClassifyPass(PassBase):
             dtype = low  # the floor; InsertCastsPass widens it from the input dtypes
         else:
             dtype = None
-        return Decision(op=key, category=category, compute_dtype=dtype, rule=rule)
+        # Calibrated ranges (convert(calibrate=...)) can move it to fp32: see _calibrate.
+        return range_rule(node, Decision(op=key, category=category, compute_dtype=dtype,
+                                         rule=rule), self.policy, self.dtype)
 
     def _category(self, node: fx.Node, key: str) -> tuple[OpCategory, str]:
         policy = self.policy

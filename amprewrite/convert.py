@@ -18,8 +18,9 @@ from .capture.symbolic import capture_symbolic, propagate_meta
 from .errors import AmpRewriteError
 from .graph.codegen import recompile_with_bindings
 from .graph.meta import META_KEY
+from .graph.queries import module_paths
 from .hardware import model_device, warn_if_slow
-from .passes.classify import module_paths
+from .passes.calibrate import CalibrationInput, check_calibrate, record_ranges
 from .passes.gather_weights import gather_weights
 from .passes.opt_levels import apply_opt_level, check_opt_level, low_precision_twin
 from .passes.pipeline import run_passes
@@ -49,6 +50,7 @@ def convert(
     dtype: torch.dtype | None = None,
     capture: str = "auto",
     opt_level: str = "O1",
+    calibrate: tuple[tuple, dict] | list[tuple[tuple, dict]] | None = None,
 ) -> fx.GraphModule:
     """Rewrite ``model`` into a GraphModule that runs in mixed precision with explicit casts.
 
@@ -70,6 +72,12 @@ def convert(
             ``"O3"``: everything in the low dtype, on copies of the parameters (the speed
             baseline). O2 and O3 take floating inputs in any dtype and return fp32.
             ``policy`` applies to O1 only.
+        calibrate: ``(args, kwargs)`` or a list of them (``((x,), {})`` for one tensor; a
+            bare tuple of arguments is refused as ambiguous). Before the passes, the captured
+            graph runs in fp32 on each (no grad; the model is not changed) and every node's
+            largest finite |x| is recorded; then an op that would compute in the low dtype
+            and whose output or inputs exceed ``finfo(low).max / 2**policy.range_headroom_bits``
+            computes in fp32 (rule ``"range: ..."`` in ``explain``). O1 only.
 
     Returns:
         A ``torch.fx.GraphModule``; ``print(gm.code)`` shows every cast, and
@@ -96,18 +104,19 @@ def convert(
     if capture == "export" and example_inputs is None:
         raise ValueError("amprewrite.convert(capture='export') needs example_inputs=(...)")
     check_opt_level(opt_level, policy, dtype)
+    calibration = check_calibrate(calibrate, model, opt_level)
     low = resolve_dtype(model, policy, dtype)
     if opt_level != "O0":
         warn_if_slow(model_device(model, example_inputs, example_kwargs), low)
     with preserved_global_state():
         gm = _capture_and_rewrite(model, example_inputs, example_kwargs, policy, low, capture,
-                                  opt_level)
+                                  opt_level, calibration)
         return recompile_with_bindings(gm)
 
 
 def _capture_and_rewrite(model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None,
-                         policy: Policy, low: torch.dtype, capture: str,
-                         opt_level: str) -> fx.GraphModule:
+                         policy: Policy, low: torch.dtype, capture: str, opt_level: str,
+                         calibration: list[CalibrationInput] | None = None) -> fx.GraphModule:
     has_inputs = args is not None or kwargs is not None
     if opt_level == "O3" and not is_converted(model):
         model = low_precision_twin(model, low)  # O3 owns low-precision copies of everything
@@ -116,15 +125,17 @@ def _capture_and_rewrite(model: nn.Module, args: tuple | None, kwargs: dict[str,
         # autocast regions, the decisions), so converting twice could cast more.
         return _rewrite(capture_converted(model), model, policy, low, opt_level)  # type: ignore[arg-type]
     if capture == "export" or (capture == "auto" and has_inputs):
-        return _export_and_rewrite(model, args or (), kwargs, policy, low, opt_level)
+        return _export_and_rewrite(model, args or (), kwargs, policy, low, opt_level,
+                                   calibration)
     gm = capture_symbolic(model)
     if has_inputs:
         propagate_meta(gm, args or (), kwargs)
-    return _rewrite(gm, model, policy, low, opt_level)
+    return _rewrite(gm, model, policy, low, opt_level, calibration)
 
 
 def _export_and_rewrite(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
-                        policy: Policy, low: torch.dtype, opt_level: str) -> fx.GraphModule:
+                        policy: Policy, low: torch.dtype, opt_level: str,
+                        calibration: list[CalibrationInput] | None = None) -> fx.GraphModule:
     """Export with dynamic dimensions and rewrite; if either fails under symbolic sizes
     (some ATen meta kernels reject them), export again with the example's static shapes."""
     regime = _regime(model, args, kwargs, policy, low, opt_level)
@@ -135,15 +146,15 @@ def _export_and_rewrite(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
         dynamic_error: Exception = exc
     else:
         if not _has_symbolic_shapes(gm):
-            return _rewrite(gm, model, policy, low, opt_level)
+            return _rewrite(gm, model, policy, low, opt_level, calibration)
         try:
-            return _rewrite(gm, model, policy, low, opt_level)
+            return _rewrite(gm, model, policy, low, opt_level, calibration)
         except (ValueError, TypeError):
             raise  # the user's input is wrong: shapes have nothing to do with it
         except Exception as exc:
             dynamic_error = exc
     gm = capture_export(model, args, kwargs, regime=regime, dynamic=False, faithful=faithful)
-    gm = _rewrite(gm, model, policy, low, opt_level)
+    gm = _rewrite(gm, model, policy, low, opt_level, calibration)
     warnings.warn(
         f"amprewrite.convert: {type(model).__name__} could not be converted with dynamic "
         f"shapes ({type(dynamic_error).__name__}: {str(dynamic_error).splitlines()[0]}); it was "
@@ -154,11 +165,13 @@ def _export_and_rewrite(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
 
 
 def _rewrite(gm: fx.GraphModule, model: nn.Module, policy: Policy, low: torch.dtype,
-             opt_level: str) -> fx.GraphModule:
+             opt_level: str, calibration: list[CalibrationInput] | None = None) -> fx.GraphModule:
     gm.meta.pop(META_KEY, None)
     if opt_level != "O1":
         return apply_opt_level(gm, model, opt_level, low)
     _check_override_names(gm, policy)
+    if calibration:
+        record_ranges(gm, calibration, policy)  # read by ClassifyPass (range_rule)
     run_passes(gm, policy, low)
     return gather_weights(gm)
 

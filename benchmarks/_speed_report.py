@@ -12,10 +12,20 @@ import threading
 from typing import Any, Callable
 
 import torch
+from _speed_types import (
+    CONVERTED,
+    DTYPES,
+    LR,
+    SHORT,
+    VARIANTS,
+    ConvertTime,
+    Options,
+    Report,
+    Row,
+)
 
 from amprewrite.hardware import describe as describe_hardware
-from _speed_types import (CONVERTED, LR, VARIANTS, ConvertTime, Options, Report, Row,
-                          DTYPES, SHORT)
+
 
 def _value(row: Row, name: str, values: dict[str, Any], fmt: Callable[[Any], str]) -> str:
     if name in row.failed:

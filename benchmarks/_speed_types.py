@@ -6,7 +6,6 @@ import dataclasses
 from typing import Callable
 
 import torch
-
 from _timing import CastCount
 
 VARIANTS = ("fp32", "autocast", "preset", "default", "O2", "O3")

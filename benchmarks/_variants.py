@@ -10,11 +10,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
+from _models import Case, first_tensor
+from _speed_types import LR, OPTIMIZERS, Options, Report
+from _timing import describe_error, recover
 
 import amprewrite
-from _models import Case, first_tensor
-from _speed_types import LR, Options, Report, OPTIMIZERS
-from _timing import describe_error, recover
+
 
 def _dynamic_shapes(args: tuple) -> tuple:
     """Every dimension of every tensor argument ``Dim.AUTO``: what convert exports with, so

@@ -63,12 +63,39 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from _models import MODEL_KEYS, SHAPE_LABELS, SIZES, Case, build_case, describe  # noqa: E402
 from _speed_report import Finisher, machine, title  # noqa: E402
-from _speed_types import (CONVERTED, LR, PHASES, VARIANTS, ConvertTime, Options,  # noqa: E402
-                          Report, Row, DTYPES, OPTIMIZERS)
-from _timing import (Budget, CastCount, count_casts, describe_error,  # noqa: E402
-                     interleaved_samples, median, paired_ratio, recover, step_memory_mb)
-from _variants import (bitwise_equal, callables, convert_variants, export_seconds,  # noqa: E402
-                       phase_fns, restored, run_error, runner)
+from _speed_types import (  # noqa: E402
+    CONVERTED,
+    DTYPES,
+    LR,
+    OPTIMIZERS,
+    PHASES,
+    VARIANTS,
+    ConvertTime,
+    Options,
+    Report,
+    Row,
+)
+from _timing import (  # noqa: E402
+    Budget,
+    CastCount,
+    count_casts,
+    describe_error,
+    interleaved_samples,
+    median,
+    paired_ratio,
+    recover,
+    step_memory_mb,
+)
+from _variants import (  # noqa: E402
+    bitwise_equal,
+    callables,
+    convert_variants,
+    export_seconds,
+    phase_fns,
+    restored,
+    run_error,
+    runner,
+)
 
 
 def _elapsed() -> float:

@@ -12,10 +12,9 @@ from typing import Any
 
 import pytest
 import torch
+from _fake_cuda import one_op_module, resolve_op, tensors_of
 
 import amprewrite
-
-from _fake_cuda import one_op_module, resolve_op, tensors_of
 
 pytest.importorskip("expecttest")  # torch.testing._internal needs it
 from torch.testing._internal.autocast_test_lists import AutocastCPUTestLists  # noqa: E402

@@ -11,14 +11,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _graphs import weight_casts
 
 import amprewrite
 from amprewrite import AmpRewriteError, Policy
-from amprewrite.capture.facts import GRAD_KEY
 from amprewrite.capture.converted import capture_converted
+from amprewrite.capture.facts import GRAD_KEY
 from amprewrite.graph.queries import cast_source
-
-from _graphs import weight_casts
 
 CPU_BF16 = Policy.autocast("cpu", torch.bfloat16)
 

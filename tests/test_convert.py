@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _graphs import weight_casts
 
 import amprewrite
-from _graphs import weight_casts
 from amprewrite import AmpRewriteError, OpCategory, Policy
 from amprewrite.graph.meta import cast_info, decision
 

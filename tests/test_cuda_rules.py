@@ -17,12 +17,11 @@ from typing import Any
 
 import pytest
 import torch
+from _fake_cuda import cuda_autocast, fake_cuda, one_op_module, resolve_op, tensors_of
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import amprewrite
 from amprewrite import AmpRewriteError
-
-from _fake_cuda import cuda_autocast, fake_cuda, one_op_module, resolve_op, tensors_of
 
 pytest.importorskip("expecttest")  # torch.testing._internal needs it
 from torch.testing._internal.autocast_test_lists import AutocastTestLists  # noqa: E402

@@ -10,13 +10,13 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from _graphs import weight_casts
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import amprewrite
-from _graphs import weight_casts
 from amprewrite import Policy
-from amprewrite.passes.eliminate_casts import EliminateCastsPass
 from amprewrite.graph.queries import cast_source
+from amprewrite.passes.eliminate_casts import EliminateCastsPass
 
 aten = torch.ops.aten
 f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float64

@@ -9,8 +9,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 import amprewrite
-from amprewrite.runtime import weight_cache as _weight_cache
 from amprewrite.graph.codegen import recompile_with_bindings
+from amprewrite.runtime import weight_cache as _weight_cache
 
 
 class Block(nn.Module):

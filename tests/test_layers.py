@@ -128,5 +128,6 @@ def test_the_import_parser_resolves_every_depth() -> None:
     graph = _graph()
     assert "capture.facts" in graph["passes.classify"]
     assert "policy.tables" in graph["graph.meta"]
-    assert "passes.classify" in graph["audit.where"]
+    assert "passes.calibrate" in graph["passes.classify"]  # a sibling: one dot
+    assert "graph.queries" in graph["audit.where"]
     assert "audit.report" not in graph["audit.tables"]  # type-only import

@@ -9,9 +9,8 @@ import torch.nn.functional as F
 
 import amprewrite
 from amprewrite import AmpRewriteError, Policy
-from amprewrite.runtime.low_copies import LOW_COPIES_ATTR
 from amprewrite.graph.meta import cast_info
-
+from amprewrite.runtime.low_copies import LOW_COPIES_ATTR
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

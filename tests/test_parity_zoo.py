@@ -17,14 +17,13 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from _zoo import ZOO, ZooCase
 
 import amprewrite
-from amprewrite.passes.pipeline import amp_passes
-from amprewrite.graph.queries import cast_source
 from amprewrite.graph.meta import cast_info
+from amprewrite.graph.queries import cast_source
+from amprewrite.passes.pipeline import amp_passes
 from amprewrite.runtime.functions import guarded_promote
-
-from _zoo import ZOO, ZooCase
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PATHS = ("export", "symbolic_static", "symbolic_guarded")

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 import amprewrite
 from amprewrite import Policy
-from amprewrite.passes.eliminate_casts import EliminateCastsPass
 from amprewrite.graph.queries import cast_source
+from amprewrite.passes.eliminate_casts import EliminateCastsPass
 
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 _SETTINGS = settings(max_examples=30, deadline=None,

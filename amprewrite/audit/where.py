@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from ..graph.meta import cast_info
-from ..passes.classify import module_paths
+from ..graph.queries import module_paths
 from ..runtime.weight_table import is_fetch
 
 __all__ = ["Context", "Attribution"]

@@ -4,6 +4,11 @@
 source of dtype/device knowledge; :func:`tensor_meta` is the one accessor. Every decision
 amprewrite makes about a node is a frozen record stored under ``node.meta[META_KEY]``:
 a :class:`Decision` on op nodes, a :class:`CastInfo` on the cast nodes we insert.
+
+One measured fact has its own key, because it is an input to the decisions, not one of
+them: ``node.meta[RANGE_KEY]``, the largest finite |x| the node's floating output reached
+over ``convert(..., calibrate=...)``'s fp32 calibration run (a float; absent on nodes the
+run did not see or that produce no floating tensor). :func:`max_abs` reads it.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ from ..errors import AmpRewriteError
 from ..policy.tables import OpCategory
 
 __all__ = ["META_KEY", "Decision", "CastInfo", "tensor_meta", "has_tensor_meta", "decision",
-           "cast_info"]
+           "cast_info", "RANGE_KEY", "max_abs"]
 
 META_KEY = "amprewrite"
+RANGE_KEY = "amprewrite_max_abs"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,3 +84,9 @@ def decision(node: Node) -> Decision | None:
 def cast_info(node: Node) -> CastInfo | None:
     rec = node.meta.get(META_KEY)
     return rec if isinstance(rec, CastInfo) else None
+
+
+def max_abs(node: Node) -> float | None:
+    """The calibrated largest finite |x| of ``node``'s output (see ``RANGE_KEY``), or None."""
+    value = node.meta.get(RANGE_KEY)
+    return value if isinstance(value, float) else None

@@ -1,5 +1,5 @@
-"""Questions several passes ask of a graph: is this node a pure dtype conversion, and is this
-memory written in place?
+"""Questions several stages ask of a graph: is this node a pure dtype conversion, is this
+memory written in place, which modules enclose this node?
 
 Both are conservative where they cannot know: an op that *may* return a view of its input
 counts as an alias, so a cast next to it is kept rather than removed.
@@ -8,6 +8,7 @@ counts as an alias, so a cast next to it is kept rather than removed.
 from __future__ import annotations
 
 import operator
+import re
 
 import torch
 import torch.fx as fx
@@ -15,7 +16,7 @@ import torch.fx as fx
 from ..policy.opkey import is_inplace
 from ..runtime.functions import guarded_cast
 
-__all__ = ["cast_source", "mutated"]
+__all__ = ["cast_source", "mutated", "module_paths"]
 
 _METHOD_CASTS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
                  "double": torch.float64}
@@ -111,3 +112,22 @@ def mutated(*nodes: fx.Node) -> bool:
             if any(_writes(u, alias) for u in alias.users):
                 return True
     return False
+
+
+_DYNAMO_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+
+
+def module_paths(node: fx.Node) -> list[str]:
+    """Qualified names of the modules enclosing ``node``, outermost first."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = []
+    for key, value in stack.items():
+        path = value[0] if isinstance(value, tuple) else key
+        # Dynamo (and torch.export in some versions) prefixes paths with the root's local
+        # name: "L['self'].encoder.layer", or "L['fn'].0" for a compiled nn.Sequential.
+        path = _DYNAMO_ROOT.sub("", str(path))
+        if path:
+            paths.append(path)
+    if node.op == "call_module":
+        paths.append(str(node.target))
+    return paths

@@ -17,7 +17,6 @@ is ``FP32_DTYPE_ARG``.
 from __future__ import annotations
 
 import operator
-import re
 
 import torch
 import torch.fx as fx
@@ -25,33 +24,20 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from ..capture.facts import GRAD_MODE_FUNCTIONS, REGION_KEY, Region
 from ..graph.meta import META_KEY, Decision, cast_info
+from ..graph.queries import module_paths
 from ..policy.opkey import is_inplace, op_key, overload_key
 from ..policy.policy import Policy
 from ..policy.tables import OpCategory
 from ..runtime.weight_table import is_fetch
+from .calibrate import range_rule
 
-__all__ = ["ClassifyPass", "module_paths"]
+__all__ = ["ClassifyPass"]
 
 _CALLS = ("call_function", "call_method", "call_module")
 
 
-_DYNAMO_ROOT = re.compile(r"^L\['[^']*'\]\.?")
 
 
-def module_paths(node: fx.Node) -> list[str]:
-    """Qualified names of the modules enclosing ``node``, outermost first."""
-    stack = node.meta.get("nn_module_stack") or {}
-    paths = []
-    for key, value in stack.items():
-        path = value[0] if isinstance(value, tuple) else key
-        # Dynamo (and torch.export in some versions) prefixes paths with the root's local
-        # name: "L['self'].encoder.layer", or "L['fn'].0" for a compiled nn.Sequential.
-        path = _DYNAMO_ROOT.sub("", str(path))
-        if path:
-            paths.append(path)
-    if node.op == "call_module":
-        paths.append(str(node.target))
-    return paths
 
 
 def _cast_item(node: fx.Node) -> bool:
@@ -109,7 +95,9 @@ class ClassifyPass(PassBase):
             dtype = low  # the floor; InsertCastsPass widens it from the input dtypes
         else:
             dtype = None
-        return Decision(op=key, category=category, compute_dtype=dtype, rule=rule)
+        # Calibrated ranges (convert(calibrate=...)) can move it to fp32: see _calibrate.
+        return range_rule(node, Decision(op=key, category=category, compute_dtype=dtype,
+                                         rule=rule), self.policy, self.dtype)
 
     def _category(self, node: fx.Node, key: str) -> tuple[OpCategory, str]:
         policy = self.policy

@@ -9,6 +9,9 @@ One frozen dataclass. Build it from a preset and refine it with :meth:`Policy.ov
 Precedence, most specific first: **node** override > **module** override (the innermost module
 of the node whose qualified name matches a glob; ``keep_fp32`` is a module override to FP32) >
 **op** override > the model's own ``torch.autocast`` regions > the preset's table > PASSTHROUGH.
+With ``convert(..., calibrate=...)``, the range rule (an op whose calibrated values exceed the
+low dtype's range computes in fp32) comes right after the op override: it wins over regions,
+tables and ``register_op``; the user's overrides win over it.
 """
 
 from __future__ import annotations
@@ -159,6 +162,10 @@ class Policy:
             Parameter casts are always shared (autocast caches them too).
         fold_rounding_casts: let cast elimination drop narrowing round trips
             (fp32→bf16→fp32), which changes numerics; off by default.
+        range_headroom_bits: with ``convert(..., calibrate=...)``, an op whose calibrated
+            max |x| exceeds ``finfo(low).max / 2**range_headroom_bits`` computes in fp32
+            (0, the default: only values beyond the low dtype's max; 1: beyond half of it;
+            0 to 15). Node, module and op overrides win over this range rule.
     """
 
     preset: str = "default"
@@ -169,8 +176,13 @@ class Policy:
     node_overrides: tuple[tuple[str, OpCategory], ...] = ()
     share_activation_casts: bool = True
     fold_rounding_casts: bool = False
+    range_headroom_bits: int = 0
 
     def __post_init__(self) -> None:
+        bits = self.range_headroom_bits
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 0 <= bits <= 15:
+            raise ValueError(f"Policy(range_headroom_bits={bits!r}): expected an int from 0 to "
+                             "15, the powers of two of margin kept below the low dtype's max")
         if self.preset not in _PRESET_TABLES:
             raise ValueError(f"Policy(preset={self.preset!r}): expected one of "
                              f"{sorted(_PRESET_TABLES)}; use Policy() or Policy.autocast(...)")

@@ -14,11 +14,10 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from _hf_zoo import Arch, Example, tensor_leaves
 
 import amprewrite
 from amprewrite import Policy
-
-from _hf_zoo import Arch, Example, tensor_leaves
 
 __all__ = ["CAPABILITIES", "CHECKS", "CheckFailed", "INDUCTOR", "KNOWN_GAPS", "run_check"]
 

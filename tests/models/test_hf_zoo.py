@@ -13,8 +13,16 @@ import torch
 pytest.importorskip("transformers")
 
 from _hf_checks import (  # noqa: E402  (needs transformers)
-    CAPABILITIES, KNOWN_GAPS, check_audit, check_compile, check_default, check_o2_step,
-    check_o3_step, check_preset_grads, check_preset_outputs)
+    CAPABILITIES,
+    KNOWN_GAPS,
+    check_audit,
+    check_compile,
+    check_default,
+    check_o2_step,
+    check_o3_step,
+    check_preset_grads,
+    check_preset_outputs,
+)
 from _hf_zoo import ZOO, Arch, tensor_leaves  # noqa: E402
 
 MAX_PARAMETERS = 100_000

@@ -30,11 +30,12 @@ by its ``nn_module_stack``. ``.grad``, parameters, buffers and optimizer state a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import sys
 from collections import defaultdict
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.fx as fx
@@ -172,31 +173,16 @@ def _owner(module: nn.Module, handles: list[Any]) -> Callable[[], str | None]:
     return owner
 
 
-def _measure(module: nn.Module, inputs: tuple, kwargs: dict | None,
-             optimizer: torch.optim.Optimizer | None, loss_fn: Callable[[Any], Any] | None,
-             autocast: torch.dtype | None = None) -> MemoryReport:
-
-    level, params, buffers = opt_level_of(module), [*module.parameters()], [*module.buffers()]
-    trained = {id(p) for p in params if p.requires_grad}
-    saved: dict[int, tuple[int, str, bool]] = {}  # data_ptr -> (nbytes, module, weight cast)
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in saved:
-            where = owner()
-            saved[storage.data_ptr()] = (storage.nbytes(), "(loss)" if where is None else
-                                         where or "(top level)", _is_weight_cast(t, trained))
-        return t
-
-    # The step runs on no .grad and a fresh optimizer state; all is put back in `finally`.
-    leaves = [t for t in tree_leaves((params, inputs, kwargs))
-              if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
+@contextlib.contextmanager
+def _one_step(module: nn.Module, optimizer: torch.optim.Optimizer | None,
+              leaves: list[torch.Tensor]) -> Iterator[None]:
+    """Run the block's step on no ``.grad`` and a fresh optimizer state, an unbound O2 module
+    bound for this step only; put parameters, buffers, ``.grad`` and the state back after."""
+    params, buffers = [*module.parameters()], [*module.buffers()]
     grads, state = [(t, t.grad) for t in leaves], getattr(optimizer, "state", None)
     kept = buffers + (params if optimizer is not None else [])  # a step changes params
     values = [(t, t.detach().clone()) for t in kept]
-    store, binding, bound, handles = getattr(module, LOW_COPIES_ATTR, None), None, False, []
-    device = next((t.device.type for t in tree_leaves((params, inputs))
-                   if isinstance(t, torch.Tensor)), "cpu")
+    store, binding, bound = getattr(module, LOW_COPIES_ATTR, None), None, False
     try:
         for t in leaves:
             t.grad = None
@@ -204,37 +190,11 @@ def _measure(module: nn.Module, inputs: tuple, kwargs: dict | None,
             optimizer.state = defaultdict(dict)
         if isinstance(store, LowPrecisionCopies) and store.bindings == 0:  # an unbound O2
             if optimizer is not None:
-                binding = MasterWeights(module, optimizer)  # for this step only
+                binding = MasterWeights(module, optimizer)
             else:  # no step: the copies cannot go stale
                 store.bindings, bound = 1, True
-        owner = _owner(module, handles)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(
-                device, autocast or torch.bfloat16, enabled=autocast is not None):
-            out = module(*inputs, **(kwargs or {}))
-            loss = loss_fn(out) if loss_fn is not None else next(
-                t for t in tree_leaves(out) if isinstance(t, torch.Tensor)).float().sum()
-        copies = [c for _, c in store.copies()] if isinstance(store, LowPrecisionCopies) else []
-        copies += [e.copy for e in getattr(getattr(module, CACHE_ATTR, None), "_entries",
-                                           {}).values()]  # an O1 module's cached casts
-        if level is not None and level.level == "O3":
-            copies += [t for t in params + buffers if t.dtype == level.dtype]
-        copy_bytes = _storages(copies)
-        weight_bytes = {k: v for k, v in _storages(params + buffers).items()
-                        if k not in copy_bytes}
-        sums, per_module = defaultdict(int), defaultdict(int)
-        for ptr, (nbytes, where, cast) in saved.items():
-            kind = "saved_weights" if ptr in weight_bytes or ptr in copy_bytes else \
-                "weight_casts" if cast else "activations"
-            sums[kind] += nbytes
-            per_module[where] += nbytes if kind != "saved_weights" else 0
-        loss.backward()
-        gradients = sum(_storages(p.grad for p in params).values())
-        if optimizer is not None:
-            optimizer.step()
-        held = tree_leaves(list(getattr(optimizer, "state", {}).values()))
+        yield
     finally:
-        for h in handles:
-            h.remove()
         with torch.no_grad():
             for t, value in values:
                 t.copy_(value)
@@ -246,6 +206,64 @@ def _measure(module: nn.Module, inputs: tuple, kwargs: dict | None,
             binding.close()
         if bound:
             store.bindings = 0
+
+
+def _copy_storages(module: nn.Module) -> dict[int, int]:
+    """The storages of the module's low-precision weight copies (see the module docstring)."""
+    store, level = getattr(module, LOW_COPIES_ATTR, None), opt_level_of(module)
+    copies = [c for _, c in store.copies()] if isinstance(store, LowPrecisionCopies) else []
+    copies += [e.copy for e in getattr(getattr(module, CACHE_ATTR, None), "_entries",
+                                       {}).values()]  # an O1 module's cached casts
+    if level is not None and level.level == "O3":
+        copies += [t for t in [*module.parameters(), *module.buffers()] if t.dtype == level.dtype]
+    return _storages(copies)
+
+
+def _measure(module: nn.Module, inputs: tuple, kwargs: dict | None,
+             optimizer: torch.optim.Optimizer | None, loss_fn: Callable[[Any], Any] | None,
+             autocast: torch.dtype | None = None) -> MemoryReport:
+    params, buffers = [*module.parameters()], [*module.buffers()]
+    trained = {id(p) for p in params if p.requires_grad}
+    saved: dict[int, tuple[int, str, bool]] = {}  # data_ptr -> (nbytes, module, weight cast)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in saved:
+            where = owner()
+            saved[storage.data_ptr()] = (storage.nbytes(), "(loss)" if where is None else
+                                         where or "(top level)", _is_weight_cast(t, trained))
+        return t
+
+    leaves = [t for t in tree_leaves((params, inputs, kwargs))
+              if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
+    device = next((t.device.type for t in tree_leaves((params, inputs))
+                   if isinstance(t, torch.Tensor)), "cpu")
+    handles: list[Any] = []
+    try:
+        with _one_step(module, optimizer, leaves):
+            owner = _owner(module, handles)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(
+                    device, autocast or torch.bfloat16, enabled=autocast is not None):
+                out = module(*inputs, **(kwargs or {}))
+                loss = loss_fn(out) if loss_fn is not None else next(
+                    t for t in tree_leaves(out) if isinstance(t, torch.Tensor)).float().sum()
+            copy_bytes = _copy_storages(module)
+            weight_bytes = {k: v for k, v in _storages(params + buffers).items()
+                            if k not in copy_bytes}
+            loss.backward()
+            gradients = sum(_storages(p.grad for p in params).values())
+            if optimizer is not None:
+                optimizer.step()
+            held = tree_leaves(list(getattr(optimizer, "state", {}).values()))
+    finally:
+        for h in handles:
+            h.remove()
+    sums, per_module = defaultdict(int), defaultdict(int)
+    for ptr, (nbytes, where, cast) in saved.items():
+        kind = "saved_weights" if ptr in weight_bytes or ptr in copy_bytes else \
+            "weight_casts" if cast else "activations"
+        sums[kind] += nbytes
+        per_module[where] += nbytes if kind != "saved_weights" else 0
     return MemoryReport(sum(weight_bytes.values()), sum(copy_bytes.values()),
                         sums["weight_casts"], gradients, sum(_storages(held).values()),
                         sums["activations"], sums["saved_weights"],

@@ -18,4 +18,5 @@ from .training import MasterWeights, ScalerMonitor, StepRecord; __all__ += ["Mas
 from ._backend import AmpBackend, backend, compile; from ._explain import explain; __all__ += ["AmpBackend", "backend", "compile", "explain"]
 from ._weight_cache import clear_weight_cache; __all__ += ["clear_weight_cache"]
 from ._memory import MemoryComparison, MemoryReport, compare_memory, memory_report; __all__ += ["memory_report", "compare_memory", "MemoryReport", "MemoryComparison"]
+from ._compare import GradError, NodeError, PrecisionReport, compare; from ._search import SearchResult, search; __all__ += ["compare", "PrecisionReport", "NodeError", "GradError", "search", "SearchResult"]
 __version__ = "0.1.0"

@@ -5,6 +5,7 @@
     python -m amprewrite demo                              # a small transformer, end to end
     python -m amprewrite explain pkg.module:factory        # your model: graph + decisions
     python -m amprewrite audit pkg.module:factory          # your model: one training step
+    python -m amprewrite compare|search|memory pkg.module:factory   # see _cli_precision
 
 A factory is a function of no arguments returning ``(model, example_inputs)`` (a module and a
 tuple of positional inputs), or ``(model, example_inputs, example_kwargs)``. Targets may also
@@ -28,6 +29,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
+
+from ._cli_precision import COMMANDS as PRECISION_COMMANDS
+from ._cli_precision import add_commands as add_precision_commands
+from ._cli_precision import run_command as run_precision_command
 
 __all__ = ["main"]
 
@@ -63,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, parents=[common], help=text)
         cmd.add_argument("target", help="pkg.module:factory or path/to/file.py:factory; "
                                         "the factory returns (model, example_inputs)")
+    add_precision_commands(sub, common)
     return parser
 
 
@@ -206,6 +212,8 @@ def _convert(args: argparse.Namespace, model: nn.Module, inputs: tuple,
 def _run(args: argparse.Namespace, model: nn.Module, inputs: tuple, kwargs: dict) -> Any:
     from ._explain import explain, explain_records
 
+    if args.command in PRECISION_COMMANDS:
+        return run_precision_command(args, model, inputs, kwargs)
     if args.command in ("demo", "audit") and args.capture == "compile":
         # NB: torch.compile runs a model eagerly, unconverted, while a dispatch mode (the
         # auditor's) is active: the audit would describe fp32 ops that never run converted.

@@ -5,7 +5,8 @@ GraphModule whose ``.code`` shows every cast. The names below are the whole publ
 each is documented in the README. The folders name the concepts: ``capture/`` (model to
 graph), ``policy/`` (which op runs in which precision), ``passes/`` (the graph rewrite),
 ``runtime/`` (what converted graphs call), ``graph/`` (node facts shared by the passes),
-``audit/`` (what ran, in which dtype), ``training/`` (master weights, loss scaling, memory).
+``audit/`` (what ran, in which dtype), ``training/`` (master weights, loss scaling, memory),
+``precision/`` (error per op against an fp64 shadow; the fp32 search), ``cli/``.
 """
 
 from .audit.grad_hist import GradHistogram
@@ -16,6 +17,8 @@ from .convert import convert
 from .errors import AmpRewriteError
 from .explain import explain
 from .policy.policy import Policy
+from .precision.compare import GradError, NodeError, PrecisionReport, compare
+from .precision.search import SearchResult, search
 from .policy.registry import register_op, unregister_op
 from .policy.tables import OpCategory
 from .runtime.weight_cache import clear_weight_cache
@@ -34,6 +37,8 @@ __all__ = [
     # train
     "MasterWeights", "ScalerMonitor", "StepRecord",
     "memory_report", "compare_memory", "MemoryReport", "MemoryComparison",
+    # which ops need fp32
+    "compare", "PrecisionReport", "NodeError", "GradError", "search", "SearchResult",
 ]
 
 __version__ = "0.1.0"

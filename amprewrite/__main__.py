@@ -1,5 +1,5 @@
 """``python -m amprewrite``: the command line (see :mod:`amprewrite.cli`)."""
 
-from .cli import main
+from .cli.main import main
 
 raise SystemExit(main())

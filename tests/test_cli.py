@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from amprewrite.cli import main
+from amprewrite.cli.main import main
 
 FACTORIES = textwrap.dedent('''
     import torch

@@ -12,7 +12,8 @@ Layers, lowest first (the README's "How it works" shows the same map)::
     compile_backend      the torch.compile backend (runs the passes on Dynamo graphs)
     explain              the decisions of a converted graph, as a table
     audit, training      what ran and in which dtype; master weights, loss scaling, memory
-    cli, demo            the command line
+    precision            error per op against an fp64 shadow; the search for fp32 overrides
+    cli                  the command line
 
 An import guarded by ``if TYPE_CHECKING:`` is for annotations only and never runs; it may point
 to the same layer (``audit.tables`` names ``audit.report.AuditReport`` in annotations).
@@ -36,7 +37,8 @@ LAYERS = [
     {"compile_backend"},
     {"explain"},
     {"audit", "training"},
-    {"cli", "demo"},
+    {"precision"},
+    {"cli"},
     {"__main__", "__init__"},
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}

@@ -30,9 +30,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "models"))
 
 import transformers  # noqa: E402
-
 from _hf_checks import CAPABILITIES, KNOWN_GAPS, run_check  # noqa: E402
-from _hf_zoo import ZOO, Arch, arch as zoo_arch  # noqa: E402
+from _hf_zoo import ZOO, Arch  # noqa: E402
+from _hf_zoo import arch as zoo_arch
 
 BEGIN, END = "<!-- support-matrix:begin -->", "<!-- support-matrix:end -->"
 MAX_NOTE = 300

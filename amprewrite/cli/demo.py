@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .errors import AmpRewriteError
+from ..errors import AmpRewriteError
 
 __all__ = ["LlamaLogits", "demo_factory"]
 

@@ -5,6 +5,7 @@
     python -m amprewrite demo                              # a small transformer, end to end
     python -m amprewrite explain pkg.module:factory        # your model: graph + decisions
     python -m amprewrite audit pkg.module:factory          # your model: one training step
+    python -m amprewrite compare|search|memory pkg.module:factory   # see _cli_precision
 
 A factory is a function of no arguments returning ``(model, example_inputs)`` (a module and a
 tuple of positional inputs), or ``(model, example_inputs, example_kwargs)``. Targets may also
@@ -29,15 +30,15 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
+from .common import CAPTURES, DTYPES, POLICIES, CliError, policy_for
+from .precision import COMMANDS as PRECISION_COMMANDS
+from .precision import add_commands as add_precision_commands
+from .precision import run_command as run_precision_command
+
 __all__ = ["main"]
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_POLICIES = ("default", "autocast-cpu", "autocast-cuda")
-_CAPTURES = ("export", "symbolic", "compile")
 
 
-class CliError(Exception):
-    """A user error the CLI reports as one line, without a traceback."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,12 +48,12 @@ def _parser() -> argparse.ArgumentParser:
                     "every precision decision, and the dtypes of a training step.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16",
+    common.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
                         help="low precision dtype (default: bf16)")
-    common.add_argument("--policy", choices=_POLICIES, default="default",
+    common.add_argument("--policy", choices=POLICIES, default="default",
                         help="default: CUDA AMP rules on every device; autocast-cpu / "
                              "autocast-cuda: exactly torch.autocast's lists for that device")
-    common.add_argument("--capture", choices=_CAPTURES, default="export",
+    common.add_argument("--capture", choices=CAPTURES, default="export",
                         help="export (default), symbolic, or compile (the torch.compile "
                              "backend, for models with graph breaks)")
     common.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -63,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, parents=[common], help=text)
         cmd.add_argument("target", help="pkg.module:factory or path/to/file.py:factory; "
                                         "the factory returns (model, example_inputs)")
+    add_precision_commands(sub, common)
     return parser
 
 
@@ -175,23 +177,16 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-# -- the commands -----------------------------------------------------------------------------
-def _policy(name: str, dtype: torch.dtype) -> Any:
-    from .policy.policy import Policy
-
-    if name == "default":
-        return Policy(dtype=dtype)
-    return Policy.autocast(name.split("-")[1], dtype)
 
 
 def _convert(args: argparse.Namespace, model: nn.Module, inputs: tuple,
              kwargs: dict) -> tuple[Any, str, Callable[[], Any]]:
     """(what explain() takes, the rewritten code, a call of the converted model)."""
-    from .compile_backend import compile as amp_compile
-    from .convert import convert
+    from ..compile_backend import compile as amp_compile
+    from ..convert import convert
 
-    dtype = _DTYPES[args.dtype]
-    policy = _policy(args.policy, dtype)
+    dtype = DTYPES[args.dtype]
+    policy = policy_for(args.policy, dtype)
     if args.capture == "compile":
         compiled = amp_compile(model, policy=policy, dtype=dtype, eager=True)
         compiled(*inputs, **kwargs)  # graphs are captured on the first call
@@ -204,8 +199,10 @@ def _convert(args: argparse.Namespace, model: nn.Module, inputs: tuple,
 
 
 def _run(args: argparse.Namespace, model: nn.Module, inputs: tuple, kwargs: dict) -> Any:
-    from .explain import explain, explain_records
+    from ..explain import explain, explain_records
 
+    if args.command in PRECISION_COMMANDS:
+        return run_precision_command(args, model, inputs, kwargs)
     if args.command in ("demo", "audit") and args.capture == "compile":
         # NB: torch.compile runs a model eagerly, unconverted, while a dispatch mode (the
         # auditor's) is active: the audit would describe fp32 ops that never run converted.
@@ -226,7 +223,7 @@ def _run(args: argparse.Namespace, model: nn.Module, inputs: tuple, kwargs: dict
         out["audit"] = _audit_step(model, call, loss_fn, as_dict=args.json,
                                    max_rows=15 if args.command == "demo" else 40)
     if args.command == "demo":
-        out["accuracy"] = _accuracy(model, inputs, converted, call, _DTYPES[args.dtype])
+        out["accuracy"] = _accuracy(model, inputs, converted, call, DTYPES[args.dtype])
     return out if args.json else _text(out)
 
 
@@ -264,7 +261,7 @@ def _audit_step(model: nn.Module, call: Callable[[], Any],
     """Forward and backward of one training step under ``amprewrite.audit()``, then an SGD
     step. Degrades to a note when the auditor is not available."""
     try:
-        from .audit.report import audit
+        from ..audit.report import audit
     except ImportError as exc:
         return {"unavailable": str(exc)} if as_dict else f"(auditor unavailable: {exc})"
     params = [p for p in model.parameters() if p.requires_grad]

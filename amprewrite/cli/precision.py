@@ -1,0 +1,115 @@
+"""The ``compare``, ``search`` and ``memory`` commands of ``python -m amprewrite``.
+
+::
+
+    python -m amprewrite compare pkg.module:factory --dtype fp16   # error per op and per grad
+    python -m amprewrite search pkg.module:factory --tol 1e-3      # fewest ops to keep in fp32
+    python -m amprewrite memory pkg.module:factory                 # bytes of one training step
+
+Targets, ``--dtype``, ``--policy`` and ``--json`` work as for ``explain`` (see
+:mod:`amprewrite.cli.main`). A search that cannot reach ``--tol`` says what it reached, on one
+line, with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+from typing import Any
+
+import torch.nn as nn
+
+from ..convert import convert
+from ..precision.compare import compare
+from ..precision.search import ToleranceNotReached, search
+from ..training.memory import compare_memory
+from .common import DTYPES, CliError, policy_for
+
+__all__ = ["COMMANDS", "add_commands", "run_command"]
+
+COMMANDS = ("compare", "search", "memory")
+
+
+def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add the three commands to the subparsers ``sub`` of ``python -m amprewrite``."""
+    target = "pkg.module:factory or path/to/file.py:factory; the factory returns " \
+             "(model, example_inputs)"
+    cmd = sub.add_parser("compare", parents=[common],
+                         help="error of every op and every gradient against an fp64 run")
+    cmd.add_argument("target", help=target)
+    cmd.add_argument("--top", type=int, default=20,
+                     help="rows of the op table, worst added error first (default: 20)")
+    cmd.add_argument("--no-backward", action="store_true",
+                     help="skip the gradients (forward only)")
+    cmd = sub.add_parser("search", parents=[common],
+                         help="the fewest ops to keep in fp32 for the output to be within --tol")
+    cmd.add_argument("target", help=target)
+    cmd.add_argument("--tol", type=float, default=1e-2,
+                     help="largest relative error of the output vs fp64 (default: 1e-2)")
+    cmd.add_argument("--max-runs", type=int, default=32,
+                     help="conversions and runs allowed (default: 32)")
+    cmd = sub.add_parser("memory", parents=[common],
+                         help="bytes one training step holds: fp32, autocast, O0-O3")
+    cmd.add_argument("target", help=target)
+
+
+def run_command(args: argparse.Namespace, model: nn.Module, inputs: tuple,
+                kwargs: dict) -> Any:
+    """The text (or, with ``--json``, the dict) that the command prints."""
+
+    if args.capture == "compile" or (args.command != "compare" and args.capture != "export"):
+        raise CliError(f"{args.command} cannot use --capture {args.capture}: it converts "
+                       "with " + ("export or symbolic capture" if args.command == "compare"
+                                  else "the default capture (export); drop --capture"))
+    dtype = DTYPES[args.dtype]
+    # NB: a failed torch.export prints its partial graph; the error message says what matters.
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        if args.command == "compare":
+            return _compare(args, model, inputs, kwargs, policy_for(args.policy, dtype), dtype)
+        if args.command == "search":
+            return _search(args, model, inputs, kwargs, policy_for(args.policy, dtype), dtype)
+        return _memory(args, model, inputs, kwargs, dtype)
+
+
+def _compare(args: argparse.Namespace, model: nn.Module, inputs: tuple, kwargs: dict,
+             policy: Any, dtype: Any) -> Any:
+
+    gm = convert(model, inputs, example_kwargs=kwargs or None, policy=policy, dtype=dtype,
+                 capture=args.capture)
+    report = compare(gm, model, inputs, example_kwargs=kwargs or None,
+                     backward=not args.no_backward and _trainable(model))
+    if args.json:
+        return report.to_dict()
+    parts = [report.summary(), "== ops, worst added error first ==\n" + report.table(args.top)]
+    if report.grads:
+        parts.append("== gradients ==\n" + report.grad_table())
+    return "\n\n".join(parts)
+
+
+def _search(args: argparse.Namespace, model: nn.Module, inputs: tuple, kwargs: dict,
+            policy: Any, dtype: Any) -> Any:
+
+    try:
+        result = search(model, inputs, tol=args.tol, policy=policy, dtype=dtype,
+                        max_runs=args.max_runs, example_kwargs=kwargs or None)
+    except ToleranceNotReached as exc:
+        raise CliError(str(exc).replace("amprewrite.search: ", "search: ")) from None
+    if args.json:
+        return result.to_dict()
+    overrides = ", ".join(f"{n!r}: OpCategory.FP32" for n in result.nodes)
+    return (f"{result}\n\nuse it: Policy(...).override(nodes={{{overrides}}})"
+            if result.nodes else str(result))
+
+
+def _memory(args: argparse.Namespace, model: nn.Module, inputs: tuple, kwargs: dict,
+            dtype: Any) -> Any:
+
+    result = compare_memory(model, inputs, example_kwargs=kwargs or None, dtype=dtype)
+    if args.json:
+        return {name: report.to_dict() for name, report in result.items()}
+    return result.table()
+
+
+def _trainable(model: nn.Module) -> bool:
+    return any(p.requires_grad for p in model.parameters())

@@ -3,8 +3,8 @@
 ``convert(model, example_inputs, dtype=torch.float16, calibrate=[(args, kwargs), ...])``
 first runs the captured, not yet rewritten graph in fp32 on every calibration input
 (:func:`record_ranges`) and stores each node's largest finite |x| under
-``node.meta[RANGE_KEY]`` (see :mod:`amprewrite.graph.meta`). Classification then applies :func:`range_rule`:
-an op that would compute in the low dtype and whose output or any input exceeds
+``node.meta[RANGE_KEY]`` (see :mod:`amprewrite.graph.meta`). Classification then applies
+:func:`range_rule`: an op that would compute in the low dtype and whose output or any input exceeds
 ``finfo(low).max / 2**policy.range_headroom_bits`` computes in fp32 instead.
 
 Before (fp16, ``Linear(4, 4)`` whose output reaches 1e5 on the calibration data)::

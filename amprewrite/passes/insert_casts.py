@@ -97,8 +97,8 @@ class InsertCastsPass(PassBase):
 
         Every node is recomputed, not only those downstream of a new cast: an export traced
         in the AMP regime (:mod:`amprewrite.capture.export`) records the dtypes *autocast*
-        gives each op, and the policy may differ from autocast's lists (the default policy's CUDA rules
-        on a CPU model), so a recorded dtype is only a first guess.
+        gives each op, and the policy may differ from autocast's lists (the default policy's
+        CUDA rules on a CPU model), so a recorded dtype is only a first guess.
         """
         inputs = node.all_input_nodes
         missing = node.meta.get("val") is None

@@ -1,8 +1,8 @@
 """``compare``: which op of a converted graph loses precision, measured against fp64.
 
 The converted graph and an fp64 reference of the same computation run side by side, node
-for node (:mod:`amprewrite.precision.shadow`). Per op node: the relative error of its output, the error
-it *adds* (its own casts and arithmetic, on exact inputs) and the error it *inherits* (from
+for node (:mod:`amprewrite.precision.shadow`). Per op node: the relative error of its
+output, the error it *adds* (its own casts and arithmetic, on exact inputs) and the error it *inherits* (from
 upstream), the largest ``|x|`` of its output and the headroom that leaves in fp16/bf16. With
 ``backward=True``, the relative error of every parameter's gradient, too.
 

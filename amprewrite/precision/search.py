@@ -1,8 +1,9 @@
 """``search``: the fewest ops to keep in fp32 for the output to stay within a tolerance.
 
-One shadow run (:mod:`amprewrite.precision.shadow`) ranks the op nodes that compute or produce the low
-dtype by the error each *adds* (first: those whose exact output overflows the low dtype). The search then converts and runs the model with the worst
-``k`` of them overridden to fp32, for ``k = 1, 2, 4, …`` until the output is within ``tol``
+One shadow run (:mod:`amprewrite.precision.shadow`) ranks the op nodes that compute or
+produce the low dtype by the error each *adds* (first: those whose exact output overflows the
+low dtype). The search then converts and runs the model with the worst ``k`` of them
+overridden to fp32, for ``k = 1, 2, 4, …`` until the output is within ``tol``
 of the fp64 reference, bisects between the last ``k`` that failed and the first that passed,
 and finally drops every chosen node the output turns out not to need. Each conversion and
 run counts against ``max_runs``.

@@ -60,7 +60,8 @@ def rel_error(value: Any, ref: Any) -> float:
         x, r = x.detach().double(), r.detach().to(x.device).double()
         # Equal values (incl. the same inf, or NaN where the reference is NaN too) agree.
         agree = (x == r) | (torch.isnan(x) & torch.isnan(r))
-        diff = torch.where(agree, torch.zeros_like(x), (x - r).abs().nan_to_num(nan=math.inf, posinf=math.inf))
+        gap = (x - r).abs().nan_to_num(nan=math.inf, posinf=math.inf)
+        diff = torch.where(agree, torch.zeros_like(x), gap)
         top = diff.max().item() if diff.numel() else 0.0
         if top == 0.0:
             continue

@@ -2,9 +2,9 @@
 
 The converted graph and an fp64 reference of the same computation run side by side, node
 for node (:mod:`amprewrite.precision.shadow`). Per op node: the relative error of its
-output, the error it *adds* (its own casts and arithmetic, on exact inputs) and the error it *inherits* (from
-upstream), the largest ``|x|`` of its output and the headroom that leaves in fp16/bf16. With
-``backward=True``, the relative error of every parameter's gradient, too.
+output, the error it *adds* (its own casts and arithmetic, on exact inputs) and the error it
+*inherits* (from upstream), the largest ``|x|`` of its output and the headroom that leaves in
+fp16/bf16. With ``backward=True``, the relative error of every parameter's gradient, too.
 
 The README's example, fp16: ``Linear(16, 16)`` with outputs of ~1e5, a LayerNorm, a Linear,
 plus the mean of large values that cancel, which the policy forces into fp16::

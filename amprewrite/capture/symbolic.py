@@ -183,8 +183,6 @@ def unshare_leaf_modules(gm: fx.GraphModule) -> None:
     gm.train(gm.training)
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # dtype knowledge for symbolic graphs
 def propagate_meta(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any] | None) -> None:

@@ -38,9 +38,6 @@ from .precision import run_command as run_precision_command
 __all__ = ["main"]
 
 
-
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m amprewrite",
@@ -175,8 +172,6 @@ def _describe(value: Any) -> str:
     if isinstance(value, tuple):
         return f"a tuple of {len(value)}"
     return f"a {type(value).__name__}"
-
-
 
 
 def _convert(args: argparse.Namespace, model: nn.Module, inputs: tuple,

@@ -36,7 +36,6 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ..capture.converted import is_converted
 from ..graph.meta import RANGE_KEY, Decision, max_abs
-from ..graph.queries import module_paths
 from ..policy.opkey import is_inplace
 from ..policy.policy import Policy
 from ..policy.tables import OpCategory
@@ -246,14 +245,15 @@ def _finite_max_abs(result: Any) -> torch.Tensor | None:
 # -- the rule ----------------------------------------------------------------------------------
 def range_rule(node: fx.Node, rec: Decision, policy: Policy, dtype: torch.dtype) -> Decision:
     """``rec``, or an fp32 decision if the calibrated values of ``node`` would overflow the
-    low dtype it would compute in (see the module docstring for the precedence)::
+    low dtype it would compute in. ClassifyPass calls it only for decisions no user override
+    made (see the module docstring for the precedence)::
 
         range_rule(linear, Decision("linear", LOWER, torch.float16, "default table"), ...)
         # -> Decision("linear", FP32, torch.float32, "range: max |x| 1.0e+05 > fp16 max")
     """
     own = max_abs(node)
     if own is None or rec.category not in _MOVABLE or policy.preset in ("O2", "O3") \
-            or is_inplace(node) or _overridden(node, rec, policy):
+            or is_inplace(node):
         return rec
     low = rec.compute_dtype if rec.compute_dtype in _LOW else dtype
     if low not in _LOW:
@@ -265,10 +265,3 @@ def range_rule(node: fx.Node, rec: Decision, policy: Policy, dtype: torch.dtype)
     limit = f"{_SHORT[low]} max" + (f" / 2^{bits}" if bits else "")
     return Decision(op=rec.op, category=OpCategory.FP32, compute_dtype=torch.float32,
                     rule=f"range: max |x| {peak:.1e} > {limit}")
-
-
-def _overridden(node: fx.Node, rec: Decision, policy: Policy) -> bool:
-    """Whether a node, module or op override of the user's decided ``node``."""
-    return (policy.node_override(node.name) is not None
-            or policy.module_override(module_paths(node)) is not None
-            or policy.op_override(rec.op) is not None)

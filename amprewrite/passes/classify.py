@@ -36,10 +36,6 @@ __all__ = ["ClassifyPass"]
 _CALLS = ("call_function", "call_method", "call_module")
 
 
-
-
-
-
 def _cast_item(node: fx.Node) -> bool:
     """``cast[i]``: an output of a multi-output cast (guarded_promote) or of the gathered
     weight reads (``weights[i]``) is part of the cast, not an op of the model."""
@@ -84,7 +80,8 @@ class ClassifyPass(PassBase):
 
     def classify(self, node: fx.Node) -> Decision:
         key = op_key(node)
-        category, rule = self._category(node, key)
+        override = self._override(node, key)
+        category, rule = override or self._category(node, key)
         low = self._region_dtype(node) or self.dtype
         if category is OpCategory.LOWER:
             dtype: torch.dtype | None = low
@@ -95,11 +92,13 @@ class ClassifyPass(PassBase):
             dtype = low  # the floor; InsertCastsPass widens it from the input dtypes
         else:
             dtype = None
-        # Calibrated ranges (convert(calibrate=...)) can move it to fp32: see _calibrate.
-        return range_rule(node, Decision(op=key, category=category, compute_dtype=dtype,
-                                         rule=rule), self.policy, self.dtype)
+        rec = Decision(op=key, category=category, compute_dtype=dtype, rule=rule)
+        # The user's overrides have the last word; below them, calibrated ranges
+        # (convert(calibrate=...)) can move an op to fp32: see passes/calibrate.py.
+        return rec if override is not None else range_rule(node, rec, self.policy, self.dtype)
 
-    def _category(self, node: fx.Node, key: str) -> tuple[OpCategory, str]:
+    def _override(self, node: fx.Node, key: str) -> tuple[OpCategory, str] | None:
+        """The user's node, module or op override of ``node``, most specific first."""
         policy = self.policy
         override = policy.node_override(node.name)
         if override is not None:
@@ -110,6 +109,11 @@ class ClassifyPass(PassBase):
         override = policy.op_override(key)
         if override is not None:
             return override, f"op override {key!r}"
+        return None
+
+    def _category(self, node: fx.Node, key: str) -> tuple[OpCategory, str]:
+        """The rule below the user's overrides: regions, in-place ops, the tables."""
+        policy = self.policy
         region = self._region(node)
         if region is not None and not region.enabled:
             return OpCategory.PASSTHROUGH, f"model's autocast({region.device_type!r}, " \

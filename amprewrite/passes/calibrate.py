@@ -41,7 +41,7 @@ from ..policy.policy import Policy
 from ..policy.tables import OpCategory
 from .decompose import DecomposeCompositesPass
 
-__all__ = ["CalibrationInput", "check_calibrate", "record_ranges", "range_rule"]
+__all__ = ["CalibrationInput", "check_calibrate", "record_ranges", "range_rule", "finite_max_abs"]
 
 CalibrationInput = tuple[tuple, dict]
 """One calibration input: ``(args, kwargs)``, as the model is called: ``model(*args, **kwargs)``."""
@@ -215,7 +215,7 @@ class _RangeRecorder(fx.Interpreter):
             args, kwargs = tree_map(_widen, self.fetch_args_kwargs_from_env(n))
             result = getattr(self, n.op)(n.target, args, kwargs)
         if n.op != "output":
-            peak = _finite_max_abs(result)
+            peak = finite_max_abs(result)
             if peak is not None:
                 old = self.peaks.get(n)
                 self.peaks[n] = peak if old is None else torch.maximum(old, peak)
@@ -230,14 +230,15 @@ def _widen(value: Any) -> Any:
     return value
 
 
-def _finite_max_abs(result: Any) -> torch.Tensor | None:
-    """max |x| over the finite values of the floating tensors in ``result`` (0-dim fp32)."""
+def finite_max_abs(value: Any) -> torch.Tensor | None:
+    """max |x| over the finite values of the floating tensors in ``value``, as a 0-dim fp64
+    tensor on their device (no host sync); None without a non-empty floating tensor."""
     peak = None
-    for t in tree_leaves(result):
+    for t in tree_leaves(value):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() == 0:
             continue
-        a = t.detach().abs().float()
-        a = torch.where(torch.isfinite(a), a, 0).amax()
+        a = t.detach().abs()
+        a = torch.where(torch.isfinite(a), a, 0).amax().double()
         peak = a if peak is None else torch.maximum(peak, a.to(peak.device))
     return peak
 

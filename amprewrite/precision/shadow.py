@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
 from ..convert import convert
 from ..graph.meta import cast_info, decision
+from ..passes.calibrate import finite_max_abs
 from ..runtime.weight_table import is_fetch
 
 __all__ = ["Run", "record", "reference_module", "NodeNumbers", "node_numbers", "rel_error",
@@ -73,9 +74,8 @@ def rel_error(value: Any, ref: Any) -> float:
 
 def max_abs(value: Any) -> float:
     """Largest finite ``|x|`` over the floating tensors of ``value`` (0.0 if none)."""
-    tops = [t[torch.isfinite(t)].abs().max().item() for t in _floating(value)
-            if torch.isfinite(t).any()]
-    return max(tops, default=0.0)
+    peak = finite_max_abs(value)
+    return 0.0 if peak is None else peak.item()
 
 
 def headroom_bits(largest: float, low: torch.dtype) -> float:

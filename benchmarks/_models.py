@@ -9,7 +9,11 @@ run different computations.
 a *large* batch (more tokens per weight, where it is not). ``realistic`` (for a GPU): the
 transformers at BERT-base / GPT-2-small size (12 layers, d_model 768, 12 heads) on a single
 128-token request and a *batch* of 8 x 512 tokens, the MLP and CNN at a matching size.
-``quick`` keeps at most the first two shapes of each model; shapes can also be chosen by
+``tiny``: the same
+transformers at 4 layers and d_model 32 on 8 and 2x16 tokens, the MLP and CNN as small: every
+op of them costs less than its dispatch, so, as for the ``launch`` model, host overhead per op
+(casts included) decides, on a CPU as in eager GPU training of small models. ``quick`` keeps
+at most the first two shapes of each model; shapes can also be chosen by
 label.
 
 The ``launch`` model is the same at both sizes: 50 tiny blocks at batch 2, where every op
@@ -32,7 +36,7 @@ import torch.nn.functional as F
 __all__ = ["Case", "MODEL_KEYS", "SHAPE_LABELS", "SIZES", "build_case", "describe",
            "first_tensor"]
 
-SIZES = ("small", "realistic")
+SIZES = ("small", "realistic", "tiny")
 
 
 @dataclasses.dataclass
@@ -166,6 +170,7 @@ class _Dims:
 
 _TRANSFORMER = {
     "small": _Dims(4, 256, 4, 512, {"gpt": 4096, "bert": 8192, "gpt2": 8192}),
+    "tiny": _Dims(4, 32, 2, 64, {"gpt": 256, "bert": 256, "gpt2": 256}),
     # BERT-base's and GPT-2's vocabularies; the GPT stack's is GPT-2's padded to a multiple
     # of 64, as GPT training code pads it for the GPU.
     "realistic": _Dims(12, 768, 12, 1024, {"gpt": 50304, "bert": 30522, "gpt2": 50257}),
@@ -234,6 +239,10 @@ def _specs(size: str) -> dict[str, _Spec]:
         mlp, mlp_shapes = (512, 1024), (("single", 1, 512), ("serving", 4, 512),
                                         ("large", 256, 512))
         cnn, cnn_shapes = 64, (("single", 1, 32), ("serving", 2, 32), ("large", 16, 32))
+    elif size == "tiny":
+        tokens = (("single", 1, 8), ("serving", 2, 16))
+        mlp, mlp_shapes = (32, 64), (("single", 1, 32), ("serving", 4, 32))
+        cnn, cnn_shapes = 8, (("single", 1, 16), ("serving", 2, 16))
     else:
         tokens = (("single", 1, 128), ("batch", 8, 512))
         # 4096 rows: as many as the transformers' batch has tokens
@@ -247,7 +256,7 @@ def _specs(size: str) -> dict[str, _Spec]:
         return lambda b, s, d: _padded(b, s, vocab, d)
 
     # The launch model's one shape is a small batch: "serving" among the small shapes.
-    launch_label = "serving" if size == "small" else "batch"
+    launch_label = "batch" if size == "realistic" else "serving"
     return {
         "launch": _Spec("Launch-bound 50x(LN+Linear) d8", LaunchBound, _features,
                         ((launch_label, 2, 8),), "feat"),

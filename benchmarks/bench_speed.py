@@ -290,8 +290,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--size", default="small", choices=SIZES,
                         help="small: 4-layer d256 transformers and small MLP/CNN, sized for "
                         "a CPU; realistic: 12 layers, d_model 768, 12 heads, a 1x128 request "
-                        "and an 8x512 batch, MLP 4x4096 and CNN 128ch at 224px, for a GPU "
-                        "(default: small)")
+                        "and an 8x512 batch, MLP 4x4096 and CNN 128ch at 224px, for a GPU; "
+                        "tiny: 4-layer d32 transformers on 8 and 2x16 tokens, MLP 4x64, CNN "
+                        "8ch at 16px, where per-op host overhead decides (default: small)")
     parser.add_argument("--models", default=",".join(MODEL_KEYS),
                         type=lambda t: _keys(t, MODEL_KEYS, "model"),
                         help="comma-separated model keys: launch (50 tiny LN+Linear blocks, "

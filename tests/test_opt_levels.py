@@ -164,6 +164,65 @@ def test_o2_copies_follow_fused_steps_and_loads() -> None:
     assert torch.equal(copy_, torch.full_like(copy_, 0.5))
 
 
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_o2_step_rewrites_every_copy_in_place_with_one_batched_copy() -> None:
+    gm = amprewrite.convert(Net(), (X,), opt_level="O2", dtype=torch.float16)
+    opt = torch.optim.SGD(gm.parameters(), lr=0.1)
+    amprewrite.MasterWeights(gm, opt)
+    store = getattr(gm, LOW_COPIES_ATTR)
+    gm(X).float().square().mean().backward()
+    before = {id(m): c for m, c in store.copies()}
+    nodes = {id(m): c.grad_fn for m, c in store.copies()}
+    with torch.no_grad():
+        opt.step()  # SGD writes the masters in place (foreach or not), then the hook refreshes
+    ops = _Ops()
+    with ops:
+        store.refresh()
+    # one batched copy for the four copies, no per-weight cast and no new tensor
+    assert ops.ops == ["_foreach_copy_"]
+    after = store.copies()
+    assert len(after) == 4
+    for master, copy_ in after:
+        assert copy_ is before[id(master)] and copy_.grad_fn is nodes[id(master)]
+        assert torch.equal(copy_, master.detach().to(torch.float16))  # bitwise: same rounding
+    # the rewritten copies still route gradients to the masters, in fp32
+    opt.zero_grad()
+    gm(X).float().square().mean().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in gm.parameters())
+
+
+def test_o2_backward_after_a_step_fails_as_in_fp32() -> None:
+    """A graph recorded before an optimizer step cannot be backpropagated after it: the step
+    rewrites the copies the graph saved, as it rewrites an fp32 model's parameters."""
+    def forward_step_backward(module: nn.Module, o2: bool) -> None:
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        if o2:
+            amprewrite.MasterWeights(module, opt)
+        module(X).float().square().mean().backward()
+        loss = module(X).float().square().mean()
+        opt.step()
+        loss.backward()
+
+    def linears() -> nn.Module:  # no norm: only the low-precision copies are saved
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        forward_step_backward(linears(), o2=False)
+    gm = amprewrite.convert(linears(), (X,), opt_level="O2", dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        forward_step_backward(gm, o2=True)
+
+
 # -- O3 ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("inputs", [(X,), None], ids=["export", "symbolic"])
 def test_o3_owns_low_precision_copies(inputs: tuple | None) -> None:

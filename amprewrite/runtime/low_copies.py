@@ -11,19 +11,27 @@ master after each optimizer step by :class:`amprewrite.MasterWeights`, or lazily
 master was changed in place (``load_state_dict``, an in-place update: ``_version`` moves).
 
 Gradients: the copy of a master that requires grad is made *with* autograd, when it is
-stored (``master.to(dtype)`` in grad mode), so it carries a ``ToCopyBackward`` node whose
+first stored (``master.to(dtype)`` in grad mode), so it carries a ``ToCopyBackward`` node whose
 backward hands its low-precision gradient to the master converted to fp32, and autograd
 accumulates it in fp32 in ``master.grad``: micro-batches of gradient accumulation sum in
 fp32, ``GradScaler.unscale_`` and clipping see fp32 gradients, and
 ``torch.autograd.grad(loss, gm.parameters())`` works as usual. That node saves no tensor, so
-every forward until the next refresh can backpropagate through it; a forward adds nothing
-for the weights, neither a cast nor an autograd node.
+every forward can backpropagate through it; a forward adds nothing for the weights, neither a
+cast nor an autograd node.
+
+Refresh: after a step the copies are rewritten *in place*, all of them by one
+``torch._foreach_copy_`` (one call instead of a cast, an autograd node and an allocation per
+weight), and keep their autograd nodes. Like the fp32 parameters that the optimizer itself
+updates in place, a copy that a graph saved for backward thus moves to a new version, and a
+backward through a graph recorded before the step fails with autograd's "modified by an
+inplace operation" error, exactly as it would in fp32 training; the usual order (forward,
+backward, step) is unaffected.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
@@ -36,11 +44,22 @@ __all__ = ["LowPrecisionCopies", "LOW_COPIES_ATTR"]
 LOW_COPIES_ATTR = "_amp_low_copies"
 
 
-class _Entry(NamedTuple):
-    master: weakref.ref
-    version: int
-    data_ptr: int
-    copy: torch.Tensor
+class _Entry:
+    """One master's copy, and the master's state (version, storage) it was made from."""
+
+    __slots__ = ("master", "version", "data_ptr", "copy")
+
+    def __init__(self, master: torch.Tensor, copy: torch.Tensor) -> None:
+        self.master = weakref.ref(master)
+        self.version = master._version
+        self.data_ptr = master.data_ptr()
+        self.copy = copy
+
+    def fits(self, master: torch.Tensor) -> bool:
+        """Whether the copy can be rewritten in place from ``master``: same storage, shape and
+        autograd role (a remade parameter, ``p.data = t`` or ``requires_grad_`` need a new one)."""
+        return (self.data_ptr == master.data_ptr() and self.copy.shape == master.shape
+                and self.copy.requires_grad == master.requires_grad)
 
 
 def _tracing(master: torch.Tensor) -> bool:
@@ -92,7 +111,7 @@ class LowPrecisionCopies:
 
     def _current_many(self, masters: list[torch.Tensor], dtype: torch.dtype
                       ) -> list[torch.Tensor]:
-        """:meth:`_current` of each master; the stale ones are remade in one batch."""
+        """:meth:`_current` of each master; the stale ones are brought up to date together."""
         out: list[Any] = []
         stale = []
         for i, master in enumerate(masters):
@@ -107,7 +126,7 @@ class LowPrecisionCopies:
                 out.append(None)
                 stale.append((i, key, master))
         if stale:
-            self._store_many([(key, master) for _, key, master in stale])
+            self._update([(key, master) for _, key, master in stale])
             for i, key, _ in stale:
                 out[i] = self._entries[key].copy
         return out
@@ -116,9 +135,8 @@ class LowPrecisionCopies:
         return self._current_many([master], dtype)[0]
 
     def _store_many(self, items: list[tuple[tuple[int, torch.dtype], torch.Tensor]]) -> None:
-        """Make the copies of ``(key, master)`` pairs: one batched cast per dtype."""
-        # New tensors, not in-place copy_: a graph that saved an old copy for backward must
-        # keep seeing the values its forward used.
+        """Make new copies of ``(key, master)`` pairs (first use, or a master that changed
+        storage, shape or ``requires_grad``)."""
         with torch.inference_mode(False):
             # Copies of trained masters carry their cast's autograd node (module docstring),
             # made one by one: a batched cast would put a cat and a view per weight between
@@ -132,8 +150,7 @@ class LowPrecisionCopies:
                     copies = cast_batch([m for _, m in group], dtype)
                     made += [(key, m, c) for (key, m), c in zip(group, copies)]
         for key, master, copy in made:
-            self._entries[key] = _Entry(weakref.ref(master), master._version,
-                                        master.data_ptr(), copy)
+            self._entries[key] = _Entry(master, copy)
 
     def refresh(self, masters: list[torch.Tensor] | None = None) -> None:
         """Recompute the copies of ``masters`` (all stored ones when None) from their
@@ -144,9 +161,30 @@ class LowPrecisionCopies:
             master = entry.master()
             if master is None:
                 del self._entries[key]
-            elif wanted is None or id(master) in wanted:
+            elif wanted is None or key[0] in wanted:
                 stale.append((key, master))
-        self._store_many(stale)
+        self._update(stale)
+
+    def _update(self, items: list[tuple[tuple[int, torch.dtype], torch.Tensor]]) -> None:
+        """Bring the copies of ``(key, master)`` pairs up to date: rewritten in place by one
+        batched copy where they fit (module docstring), made anew where not."""
+        rewrite: list[_Entry] = []
+        sources: list[torch.Tensor] = []
+        remake = []
+        for key, master in items:
+            entry = self._entries.get(key)
+            if entry is not None and entry.master() is master and entry.fits(master):
+                rewrite.append(entry)
+                sources.append(master)
+            else:
+                remake.append((key, master))
+        if rewrite:
+            with torch.inference_mode(False), torch.no_grad():
+                torch._foreach_copy_([e.copy for e in rewrite], sources)
+            for entry, master in zip(rewrite, sources):
+                entry.version = master._version
+        if remake:
+            self._store_many(remake)
 
     def copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(master, copy)`` pairs currently stored."""

@@ -162,10 +162,12 @@ def _explanation(opts: Options) -> str:
         "`zero_grad()`, each variant with its own optimizer over its own parameters (O2: the "
         "fp32 masters bound with `MasterWeights`, whose copies the step refreshes; O3: its "
         "low-precision weights); the shared weights are restored after each training phase. "
-        "Cast kernels are `_to_copy`/`copy_` dtype conversions counted with a dispatch mode "
-        "in one steady-state call; weight casts are those that read a parameter's or "
-        "buffer's own storage (a cast of several weights packed into one buffer counts as a "
-        "cast kernel only); cast MB = bytes read + written by all of them. ")
+        "Cast kernels are `_to_copy`/`copy_`/`_foreach_copy_` dtype conversions counted "
+        "with a dispatch mode in one steady-state call (a `_foreach_copy_`, O2's refresh of "
+        "its copies after a step, is one multi-tensor kernel on a GPU and counts as one); "
+        "weight casts are those that read a parameter's or buffer's own storage (a cast of "
+        "several weights packed into one buffer counts as a cast kernel only); cast MB = "
+        "bytes read + written by all of them. ")
     if opts.compile:
         text += (
             "Every variant runs under `torch.compile` (Inductor; the optimizer step stays "

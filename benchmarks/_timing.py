@@ -33,8 +33,9 @@ class CastCount:
 
 
 class CastCounter(TorchDispatchMode):
-    """Counts dtype-converting kernels (``_to_copy``, ``copy_`` across dtypes) at the ATen
-    level, below autocast and autograd, so that every variant is counted the same way.
+    """Counts dtype-converting kernels (``_to_copy``, ``copy_`` and ``_foreach_copy_`` across
+    dtypes) at the ATen level, below autocast and autograd, so that every variant is counted
+    the same way.
 
     A cast whose source shares storage with one of ``weights`` counts as a weight cast.
     """
@@ -47,14 +48,21 @@ class CastCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        src = dst = None
+        pairs: list[tuple[Any, Any]] = []
         if func in (_aten._to_copy.default, _aten.to.dtype, _aten.to.dtype_layout):
-            src, dst = args[0], out
+            pairs = [(args[0], out)]
         elif func is _aten.copy_.default:
-            src, dst = args[1], args[0]
-        if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and \
-                src.dtype != dst.dtype:
+            pairs = [(args[1], args[0])]
+        elif func is _aten._foreach_copy_.default:
+            pairs = list(zip(args[1], args[0]))
+        converted = [(src, dst) for src, dst in pairs
+                     if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)
+                     and src.dtype != dst.dtype]
+        if converted:
+            # NB: a _foreach_copy_ is one multi-tensor kernel on a GPU: one cast kernel,
+            # with a weight cast for each weight it reads.
             self.count.kernels += 1
+        for src, dst in converted:
             self.count.nbytes += src.numel() * src.element_size() + \
                 dst.numel() * dst.element_size()
             if src.untyped_storage().data_ptr() in self.weight_storages:

@@ -2,6 +2,8 @@
 
     python benchmarks/bench_speed.py            # full run (CPU bf16), writes BENCHMARKS.md
     python benchmarks/bench_speed.py --quick --no-write --models launch,mlp   # smoke run
+    python benchmarks/bench_speed.py --size tiny --models gpt,bert,gpt2 \
+        --markdown-section cpu-tiny                 # transformers where per-op overhead decides
     python benchmarks/bench_speed.py --device cuda --dtype fp16 --size realistic \\
         --markdown-section cuda-fp16 --budget-s 210
     python benchmarks/bench_speed.py --device cuda --compile --size realistic --shapes batch \\
@@ -23,7 +25,7 @@ step.
 
 fp32, autocast, preset and default all train the model's own parameters, so each of their
 steps moves the weights that the others then run on (O2 trains a copy of the model: on shared
-masters its stored low-precision copies would be remade in every forward, which real O2
+masters its stored low-precision copies would be rewritten in every forward, which real O2
 training never does). Two choices keep that harmless:
 the learning rate is 1e-6, so that the weights barely move while the variants are timed
 (the work of a step does not depend on the values, barring inf and NaN), and the shared

@@ -3,12 +3,14 @@
 An O2 module computes with fp16/bf16 weights while the fp32 master weights stay its
 parameters (shared with the user's model). The forward's weight read names them::
 
-    weights = _amp_weights.fetch(('fc1.weight', torch.float16, 'low copy'), ..., store = _amp_low_copies)
+    weights = _amp_weights.fetch(('fc1.weight', torch.float16, 'low copy'), ...,
+                                 store = _amp_low_copies)
 
-and :meth:`LowPrecisionCopies.get_many` returns the stored low-precision copies. The copy is *stored*, not cast
-per forward (what O2 means: weights held in low precision), and is refreshed from the
-master after each optimizer step by :class:`amprewrite.MasterWeights`, or lazily when the
-master was changed in place (``load_state_dict``, an in-place update: ``_version`` moves).
+and :meth:`LowPrecisionCopies.get_many` returns the stored low-precision copies. The copy is
+*stored*, not cast per forward (what O2 means: weights held in low precision), and is
+refreshed from the master after each optimizer step by :class:`amprewrite.MasterWeights`, or
+lazily when the master was changed in place (``load_state_dict``, an in-place update:
+``_version`` moves).
 
 Gradients: the copy of a master that requires grad is made *with* autograd, when it is
 first stored (``master.to(dtype)`` in grad mode), so it carries a ``ToCopyBackward`` node whose
@@ -117,6 +119,8 @@ class LowPrecisionCopies:
         for i, master in enumerate(masters):
             key = (id(master), dtype)
             entry = self._entries.get(key)
+            # NB: _Entry.fits and the version check, inlined: this runs for every weight of
+            # every forward.
             if (entry is not None and entry.master() is master
                     and entry.version == master._version
                     and entry.data_ptr == master.data_ptr()

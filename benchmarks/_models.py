@@ -9,14 +9,13 @@ run different computations.
 a *large* batch (more tokens per weight, where it is not). ``realistic`` (for a GPU): the
 transformers at BERT-base / GPT-2-small size (12 layers, d_model 768, 12 heads) on a single
 128-token request and a *batch* of 8 x 512 tokens, the MLP and CNN at a matching size.
-``tiny``: the same
-transformers at 4 layers and d_model 32 on 8 and 2x16 tokens, the MLP and CNN as small: every
-op of them costs less than its dispatch, so, as for the ``launch`` model, host overhead per op
-(casts included) decides, on a CPU as in eager GPU training of small models. ``quick`` keeps
-at most the first two shapes of each model; shapes can also be chosen by
-label.
+``tiny``: the same transformers at 4 layers and d_model 32 on 8 and 2x16 tokens, the MLP at
+4x64 and the CNN at 8 channels: every op costs little more than its dispatch, so, as for the
+``launch`` model, host overhead per op (casts included) weighs, on a CPU as in eager GPU
+training of small models. ``quick`` keeps at most the first two shapes of each model; shapes
+can also be chosen by label.
 
-The ``launch`` model is the same at both sizes: 50 tiny blocks at batch 2, where every op
+The ``launch`` model is the same at every size: 50 tiny blocks at batch 2, where every op
 costs far less than launching it, the regime of eager GPU training of small models, in which
 per-op CPU overhead (casts included) decides the step time.
 
@@ -255,7 +254,7 @@ def _specs(size: str) -> dict[str, _Spec]:
             return lambda b, s, d: _ids(b, s, vocab, d)
         return lambda b, s, d: _padded(b, s, vocab, d)
 
-    # The launch model's one shape is a small batch: "serving" among the small shapes.
+    # The launch model's one shape is a small batch: "serving" except at the realistic size.
     launch_label = "batch" if size == "realistic" else "serving"
     return {
         "launch": _Spec("Launch-bound 50x(LN+Linear) d8", LaunchBound, _features,

@@ -155,30 +155,17 @@ def test_converted_graph_rows_carry_nodes_and_casts_are_labelled():
     with amprewrite.audit() as report:
         gm(x)
     forward = [(r.label, r.node, r.module) for r in report.records]
-    # The parameters are cast at the start of the forward, by the gathered weight reads
-    # (node "weights"): on the CPU one cast each (fc1's weight and bias, fc2's).
-    assert forward == [("cast (_to_copy)", "weights", "")] * 4 + [
-        ("cast (_to_copy)", "x_bf16", "fc1"), ("addmm", "linear", "fc1"),
-        ("relu", "relu", "act"), ("addmm", "linear_1", "fc2")]
+    # Each parameter is cast where its layer uses it, by its own cast node (in grad mode: the
+    # cast's backward then runs right after its consumer's).
+    assert forward == [
+        ("cast (_to_copy)", "x_bf16", "fc1"), ("cast (_to_copy)", "fc1_weight_bf16", "fc1"),
+        ("cast (_to_copy)", "fc1_bias_bf16", "fc1"), ("addmm", "linear", "fc1"),
+        ("relu", "relu", "act"), ("cast (_to_copy)", "fc2_weight_bf16", "fc2"),
+        ("cast (_to_copy)", "fc2_bias_bf16", "fc2"), ("addmm", "linear_1", "fc2")]
     casts = [r for r in report.records if r.cast]
     # 30 weights and x's 8 values, cast to 2 bytes each
     assert sum(r.cast_bytes for r in casts) == 2 * (30 + 8)
     assert report.summary()["casts"] == {"count": 5, "bytes": 76}
-
-
-def test_batched_weight_casts_are_labelled(monkeypatch):
-    """Where weight casts are batched (CUDA; forced here): packed by a cat, then cast once."""
-    monkeypatch.setattr(amprewrite.runtime.weight_cache, "BATCHED_DEVICE_TYPES",
-                        frozenset({"cpu", "cuda"}))
-    x = _x()
-    gm = amprewrite.convert(Net(), (x,), dtype=torch.bfloat16)
-    with amprewrite.audit() as report:
-        gm(x)
-    assert [(r.label, r.node) for r in report.records if r.cast] == [
-        ("cast (cat)", "weights"), ("cast (_to_copy)", "weights"),
-        ("cast (_to_copy)", "x_bf16")]
-    # the fp32 pack: 30 weights x 4 bytes; its bf16 cast and x's 8 values: 2 bytes each
-    assert report.summary()["casts"] == {"count": 3, "bytes": 4 * 30 + 2 * (30 + 8)}
 
 
 def test_symbolic_capture_without_example_inputs_is_attributed():
@@ -186,7 +173,8 @@ def test_symbolic_capture_without_example_inputs_is_attributed():
     with amprewrite.audit() as report:
         gm(_x())
     assert ("addmm", "linear", "fc1") in [(r.op, r.node, r.module) for r in report.records]
-    assert [r.node for r in report.records if r.cast] == ["weights"] * 4 + ["x_f16"]
+    assert [r.node for r in report.records if r.cast] == [
+        "x_f16", "fc1_weight_f16", "fc1_bias_f16", "fc2_weight_f16", "fc2_bias_f16"]
 
 
 def test_inference_mode_and_no_grad():

@@ -72,10 +72,12 @@ def test_demo() -> None:
     sections = ["== rewritten graph (gm.code) ==", "== decisions (amprewrite.explain) ==",
                 "== one training step (amprewrite.audit) ==", "== accuracy vs fp32 =="]
     assert [out.index(s) for s in sections] == sorted(out.index(s) for s in sections)
-    # a HF Llama: 7 projections and the LM head in bf16 (their weights cast in one batch),
-    # the attention's two matmuls too; its own softmax(dtype=float32) kept
+    # a HF Llama: 7 projections and the LM head in bf16 (their weights read in one call, each
+    # cast where it is used), the attention's two matmuls too; its own softmax(dtype=float32)
+    # kept
     assert "('model.lm_head.weight', torch.bfloat16)" in out
-    assert "model_lm_head_weight_bf16 = weights[" in out
+    assert "model_lm_head_weight_bf16 = _amp_weight_cache.cast(model_lm_head_weight, " \
+        "torch.bfloat16)" in out
     assert re.search(r"torch\.softmax\(\w+, -1, torch\.float32\)", out)
     assert re.search(r"linear_\d+ +linear +lower +bf16 +bf16 +default table", out)
     assert re.search(r"\d+ op nodes: 10 bf16, \d+ f32, \d+ passthrough; casts: \d+ inserted", out)

@@ -1,5 +1,5 @@
 """The generated code calls torch's Python bindings for ATen ops, proven to run the same op;
-the graph keeps its OpOverloads. Also: weight casts batched or one per weight, by device."""
+the graph keeps its OpOverloads."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch.nn as nn
 
 import amprewrite
 from amprewrite.graph.codegen import recompile_with_bindings
-from amprewrite.runtime import weight_cache as _weight_cache
 
 
 class Block(nn.Module):
@@ -68,49 +67,3 @@ def test_nodes_without_values_keep_overloads() -> None:
     graph.output(graph.call_function(torch.ops.aten.relu.default, (x,)))
     gm = recompile_with_bindings(fx.GraphModule(nn.Module(), graph))
     assert "torch.ops.aten.relu.default(x)" in gm.code
-
-
-class Two(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 8)
-        self.unused = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x)))
-
-
-def _grads(opt_level: str, batched_on_cpu: bool, monkeypatch: pytest.MonkeyPatch
-           ) -> tuple[list, set[str]]:
-    types = {"cpu", "cuda"} if batched_on_cpu else {"cuda"}
-    monkeypatch.setattr(_weight_cache, "BATCHED_DEVICE_TYPES", frozenset(types))
-    model, x = Two(), torch.randn(4, 8)
-    gm = amprewrite.convert(model, (x,), opt_level=opt_level, dtype=torch.bfloat16)
-    if opt_level == "O2":
-        amprewrite.MasterWeights(gm, torch.optim.SGD(gm.parameters(), lr=0.1))
-    out = gm(x)
-    nodes, stack = set(), [out.grad_fn]
-    while stack:  # every autograd node of the forward
-        fn = stack.pop()
-        if fn is not None and type(fn).__name__ not in nodes:
-            nodes.add(type(fn).__name__)
-            stack += [f for f, _ in fn.next_functions]
-    out.float().square().sum().backward()
-    return [p.grad for p in model.parameters()], nodes
-
-
-def test_batched_and_per_weight_casts_give_the_same_gradients(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the CPU each weight is cast by its own ``.to`` (cheaper there); where casts are
-    kernel launches (CUDA) they are batched into one autograd node. Same gradients, bit for
-    bit; an unused weight gets none either way."""
-    each, each_nodes = _grads("O1", False, monkeypatch)
-    batch, batch_nodes = _grads("O1", True, monkeypatch)
-    assert "ToCopyBackward0" in each_nodes and "_BatchCastBackward" not in each_nodes
-    assert "_BatchCastBackward" in batch_nodes
-    for g, h in zip(each, batch):
-        assert (g is None) == (h is None)
-        assert g is None or (g.dtype == torch.float32 and torch.equal(g, h))
-    assert each[-1] is None and each[-2] is None  # the unused layer

@@ -111,6 +111,71 @@ def test_training_casts_stay_in_autograd_graph() -> None:
         assert torch.equal(w, p.grad)
 
 
+class Blocks(nn.Module):
+    """Pre-norm residual blocks, and a layer the forward never uses."""
+
+    def __init__(self, depth: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norms = nn.ModuleList(nn.LayerNorm(8) for _ in range(depth))
+        self.fcs = nn.ModuleList(nn.Linear(8, 8) for _ in range(depth))
+        self.unused = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for norm, fc in zip(self.norms, self.fcs):
+            x = x + fc(norm(x))
+        return x
+
+
+def _gradient_arrivals(model: nn.Module, run: Callable[[], torch.Tensor]) -> list[str]:
+    """The layers (``norms.2``, ``fcs.2``, ...) in the order their gradients reach ``.grad``."""
+    order: list[str] = []
+    hooks = [p.register_post_accumulate_grad_hook(
+        lambda p, name=name.rpartition(".")[0]: order.append(name))
+        for name, p in model.named_parameters()]
+    try:
+        run().float().square().mean().backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return list(dict.fromkeys(order))  # each layer once, where its first gradient arrived
+
+
+@pytest.mark.parametrize("policy", [Policy.autocast("cpu", bf16), Policy(dtype=bf16)],
+                         ids=["preset", "default"])
+def test_weight_gradients_arrive_as_backward_reaches_their_layer(policy: Policy) -> None:
+    """A weight cast's backward runs right after its consumer's, as under torch.autocast, not
+    at the end of backward: each low-precision gradient is freed as soon as it is made, and
+    DDP can all-reduce a layer's gradients while the backward computes the earlier layers'."""
+    model, x = Blocks(), torch.randn(2, 8)
+    gm = amprewrite.convert(model, (x,), policy=policy)
+
+    def autocast_run() -> torch.Tensor:
+        with torch.autocast("cpu", bf16):
+            return model(x)
+
+    want = _gradient_arrivals(model, autocast_run)
+    assert want == ["fcs.2", "norms.2", "fcs.1", "norms.1", "fcs.0", "norms.0"]
+    want_grads = [p.grad for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    assert _gradient_arrivals(model, lambda: gm(x)) == want
+    for w, p in zip(want_grads, model.parameters()):
+        assert (w is None) == (p.grad is None)  # the unused layer gets no gradient
+        assert w is None or (p.grad.dtype == torch.float32 and torch.equal(w, p.grad))
+    assert model.unused.weight.grad is None
+
+
+def test_each_weight_cast_is_made_where_the_weight_is_used() -> None:
+    model, x = Blocks(), torch.randn(2, 8)
+    code = amprewrite.convert(model, (x,), policy=Policy.autocast("cpu", bf16)).code
+    lines = [line.strip() for line in code.splitlines()]
+    for i in range(3):
+        suffix = f"_{i}" if i else ""
+        cast = lines.index(f"fcs_{i}_weight_bf16 = _amp_weight_cache.cast(fcs_{i}_weight, "
+                           f"torch.bfloat16);  fcs_{i}_weight = None")
+        assert lines[cast + 2].startswith(f"linear{suffix} = ")  # after the bias's cast
+
+
 @pytest.mark.parametrize("make_opt", [
     lambda ps: torch.optim.SGD(ps, lr=0.1),
     lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=True),

@@ -115,16 +115,13 @@ def _trace_patches(tracer: _AmpTracer) -> list[tuple[Any, str, Any]]:
         for entry in entries:
             path = f"{prefix}.{entry[0]}" if prefix else entry[0]
             read = tracer.create_proxy("get_attr", path, (), {})
-            if len(entry) == 1:
+            if len(entry) < 3:  # a plain read, or a parameter its cast node reads (_cast)
                 out.append(read)
                 continue
-            # The inner module's cache or O2 store: a plain attribute, read by path.
-            attr = LOW_COPIES_ATTR if len(entry) == 3 else CACHE_ATTR
-            holder = tracer.create_proxy("get_attr", f"{prefix}.{attr}" if prefix else attr,
-                                         (), {})
-            out.append(tracer.create_proxy(
-                "call_method", "get" if len(entry) == 3 else "cast",
-                (holder, read, entry[1]), {}))
+            # The inner module's O2 store: a plain attribute, read by path.
+            holder = tracer.create_proxy(
+                "get_attr", f"{prefix}.{LOW_COPIES_ATTR}" if prefix else LOW_COPIES_ATTR, (), {})
+            out.append(tracer.create_proxy("call_method", "get", (holder, read, entry[1]), {}))
         return tuple(out)
 
     # NB: fx.Proxy has no in-place operators, so `h += x` would be traced as `h = h + x`:

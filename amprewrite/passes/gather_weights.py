@@ -2,28 +2,35 @@
 in one call at its start.
 
 Why: a converted graph reads each weight through a chain of ``nn.Module.__getattr__`` calls
-(``getattr(self.layers, "3").attn.q_proj.weight``, about 1 µs a level) and casts it with a
-Python call per weight; ``torch.autocast`` pays a C++ dispatch per cast instead. For a small
-model run eagerly (GPU training of small and medium models, launch-bound) that Python is the
-step time. After this pass one call reads every tensor through dict lookups and casts all
-trainable parameters in one batch (one autograd node; on every device two kernels per group
-of weights instead of one per weight), and ``gm.code`` still names each weight and its dtype.
+(``getattr(self.layers, "3").attn.q_proj.weight``, about 1 µs a level) and looks up each
+cached weight cast in its own call; ``torch.autocast`` pays a C++ dispatch per cast instead.
+For a small model run eagerly (GPU training of small and medium models, launch-bound) that
+Python is the step time. After this pass one call reads every tensor through dict lookups and
+looks up the cached casts of all parameters at once (in inference each ``cast`` then returns
+the copy it is handed). The casts themselves stay where the weights are used: one that
+autograd records must be made there, so that its backward runs right after its consumer's
+(:meth:`amprewrite.runtime.weight_cache.WeightCastCache.lookup_many`).
 
 Before::
 
     b_0_l_weight = getattr(self.b, "0").l.weight
     b_0_l_weight_bf16 = _amp_weight_cache.cast(b_0_l_weight, torch.bfloat16)
     b_0_n_weight = getattr(self.b, "0").n.weight
+    ...
+    linear = torch.ops.aten.linear.default(n_bf16, b_0_l_weight_bf16)
 
 After::
 
     weights = _amp_weights.fetch(('b.0.l.weight', torch.bfloat16), ('b.0.n.weight',),
                                  cache = _amp_weight_cache)
-    b_0_l_weight_bf16 = weights[0]
+    b_0_l_weight = weights[0]
     b_0_n_weight = weights[1]
+    ...
+    b_0_l_weight_bf16 = _amp_weight_cache.cast(b_0_l_weight, torch.bfloat16)
+    linear = torch.ops.aten.linear.default(n_bf16, b_0_l_weight_bf16)
 
 An entry is ``(name,)`` for a tensor read as it is stored, ``(name, dtype)`` for a parameter
-cast (autograd-tracked in training, a cached copy in inference: see
+the forward casts to ``dtype`` (autograd-tracked in training, a cached copy in inference: see
 :mod:`amprewrite.runtime.weight_cache`) and ``(name, dtype, 'low copy')`` for an O2
 parameter's stored low-precision copy (:mod:`amprewrite.runtime.low_copies`); the table that
 reads them is :mod:`amprewrite.runtime.weight_table`.
@@ -60,12 +67,14 @@ __all__ = ["GatherWeightsPass", "gather_weights"]
 
 # ---------------------------------------------------------------------------------------------
 class GatherWeightsPass(PassBase):
-    """Replace the graph's tensor ``get_attr`` reads and parameter casts by one
-    ``_amp_weights.fetch(...)`` call and an item per tensor (see the module docstring).
+    """Replace the graph's tensor ``get_attr`` reads and O2 low copies by one
+    ``_amp_weights.fetch(...)`` call and an item per entry; move each parameter cast to just
+    before its first consumer (see the module docstring).
 
-    The items keep the names and metadata of the nodes they replace, so decisions, ``explain``
-    and the auditor keep referring to ``b_0_l_weight_bf16``. A graph that already has a fetch
-    is left alone (idempotent); :func:`ungather_weights` undoes the pass.
+    Nodes keep their names and metadata (an item is the node it replaces, a cast stays itself),
+    so decisions, ``explain`` and the auditor keep referring to ``b_0_l_weight_bf16``. A graph
+    that already has a fetch is left alone (idempotent); :func:`ungather_weights` undoes the
+    pass.
     """
 
     def call(self, gm: fx.GraphModule) -> PassResult:
@@ -77,20 +86,27 @@ class GatherWeightsPass(PassBase):
         if not reads:
             return PassResult(gm, False)
 
+        order = {node: i for i, node in enumerate(graph.nodes)}
         index: dict[tuple[Any, ...], int] = {}  # entry -> its position (one per tensor/dtype)
-        replaced: list[tuple[fx.Node, int]] = []
+        replaced: list[tuple[fx.Node, int]] = []  # nodes that become items, with their entry
+        casts: list[tuple[fx.Node, int]] = []  # parameter casts, with the entry they read
         for read in reads:
             name = str(read.target)
             value = _attr(gm, name)
             gathered = [u for u in read.users if _parameter_cast(u, read)] \
                 if isinstance(value, nn.Parameter) and not mutated(read) else []
             found = [((name,), read)] if any(u not in gathered for u in read.users) else []
-            # NB: casts the graph kept apart for the model's no_grad regions are one entry
-            # here: hoisted to the start, they all run in the caller's grad mode.
-            found += [((name, c.args[2], LOW_COPY) if c.target == "get" else (name, c.args[2]), c)
-                      for c in gathered]
+            found += [((name, c.args[2], LOW_COPY), c) for c in gathered if c.target == "get"]
             for entry, node in found:
                 replaced.append((node, index.setdefault(entry, len(index))))
+            # NB: an O2 low copy's node becomes its item; a parameter cast stays a node of its
+            # own, reading an item that stands for the parameter (``read`` itself, where it is
+            # not already a plain read's item).
+            read_casts = [(c, index.setdefault((name, c.args[2]), len(index)))
+                          for c in gathered if c.target == "cast"]
+            if read_casts and not found:
+                replaced.append((read, read_casts[0][1]))
+            casts += read_casts
         entries = tuple(index)
         table = WeightTable(gm, entries)
         setattr(gm, WEIGHTS_ATTR, table)
@@ -110,15 +126,29 @@ class GatherWeightsPass(PassBase):
                                       name="weights")
         # Each replaced node becomes its item in place (FX never reuses an erased node's name,
         # and decisions refer to these names), moved to just after the fetch.
+        items = {i: node for node, i in replaced}
+        for cast, i in casts:
+            if i not in items:  # a second dtype of one parameter, or a read with a plain use
+                read = cast.args[1]
+                items[i] = graph.create_node("call_function", operator.getitem, (fetch, i),
+                                             name=read.name)
+                items[i].meta.update(read.meta)
+                replaced.append((items[i], i))
         previous = fetch
         for node, i in sorted(replaced, key=lambda pair: pair[1]):
             node.op, node.target = "call_function", operator.getitem
             node.args, node.kwargs = (fetch, i), {}
             previous.append(node)
             previous = node
-        for read in reads:
-            if read.op == "get_attr" and not read.users:
-                graph.erase_node(read)
+        # Each cast reads its item where its first consumer runs (the cast's backward then
+        # runs right after the consumer's: see WeightCastCache.lookup_many).
+        for cast, i in casts:
+            cast.args = (cast.args[0], items[i], cast.args[2])
+            if cast.users:
+                min(cast.users, key=order.__getitem__).prepend(cast)
+        for node in [*reads, *(node for node, _ in replaced)]:
+            if not node.users and node.op in ("get_attr", "call_function"):
+                graph.erase_node(node)  # a read all of whose casts read another item
         graph.lint()
         gm.recompile()
         return PassResult(gm, True)

@@ -1,11 +1,11 @@
 """Weight casts: autograd-tracked in training, computed once in inference.
 
 Every cast of a parameter or buffer in a converted graph is a call of
-``WeightCastCache.cast`` (``_amp_weight_cache.cast(l_weight, torch.bfloat16)`` in
-``gm.code``). When autograd needs the cast (grad mode on and the weight requires grad) it is a
-plain ``weight.to(dtype)``, so gradients flow to the fp32 master weight. Otherwise
-(``torch.no_grad``, ``torch.inference_mode``, frozen weights) the low-precision copy is made
-once and reused until the weight changes, then refreshed:
+``WeightCastCache.cast`` where the weight is used (``_amp_weight_cache.cast(l_weight,
+torch.bfloat16)`` in ``gm.code``). When autograd needs the cast (grad mode on and the weight
+requires grad) it is a plain ``weight.to(dtype)``, so gradients flow to the fp32 master
+weight. Otherwise (``torch.no_grad``, ``torch.inference_mode``, frozen weights) the
+low-precision copy is made once and reused until the weight changes, then refreshed:
 
 * an in-place update (optimizer step, ``load_state_dict``, ``p.copy_`` under ``no_grad``)
   bumps ``weight._version``;
@@ -13,7 +13,10 @@ once and reused until the weight changes, then refreshed:
 * new storage behind the same object (``p.data = t``, ``module.to(...)``) has another
   ``data_ptr()``.
 
-A forward in inference therefore casts no weights.
+A forward in inference therefore casts no weights. The cache lookups of all the weights of a
+forward are made together, by its weight read (:meth:`WeightCastCache.lookup_many`, called by
+:mod:`.weight_table`), which hands each cast the copy it would return: ``cast`` of a weight
+already in ``dtype`` returns it.
 
 NB: ``p.data.copy_(t)`` writes through a tensor whose version counter is not ``p``'s, so no
 check short of reading the values can see it (torch.autocast's cache has the same blind spot).
@@ -66,8 +69,9 @@ class WeightCastCache:
     def cast(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``weight`` in ``dtype``: tracked by autograd when a gradient is needed, else the
         cached copy (made or refreshed here when missing or stale)."""
-        # Runs once per weight per forward: the hit path is kept to a few cheap checks.
-        if weight.dtype == dtype:
+        # Runs once per weight cast per forward: the common paths are a few cheap checks. A
+        # weight already in ``dtype`` is the copy :meth:`lookup_many` handed the forward.
+        if weight.dtype is dtype:
             return weight
         if (weight.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
             return weight.to(dtype)
@@ -78,22 +82,28 @@ class WeightCastCache:
             return entry.copy
         return self._refresh(weight, dtype, key)
 
-    def cast_many(self, weights: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-        """:meth:`cast` for many weights at once: the ones autograd needs are cast by one
-        batched, autograd-tracked cast (:func:`cast_batch`), the others come from the cache."""
+    def lookup_many(self, weights: list[torch.Tensor], dtype: torch.dtype
+                    ) -> list[torch.Tensor]:
+        """What the forward's weight read hands over for casts of ``weights`` to ``dtype``:
+        the cached copy of each weight that needs no gradient in this call, and the weight
+        itself where autograd records the cast, which :meth:`cast` then makes where the
+        weight is used.
+
+        Why there: autograd runs a node's backward in the order the forward made it, latest
+        first. A cast made at the start of the forward would run its backward last, so every
+        low-precision weight gradient would wait, alive, for the end of backward before
+        reaching ``.grad``: more memory held, and nothing for DDP to all-reduce while the
+        backward still computes. Made where the weight is used, as ``torch.autocast`` makes
+        it, the cast's backward runs right after its consumer's."""
         # Runs once per forward for all weights: checks that hold for every weight (tracing,
         # compiling, grad mode) are made once, and cache hits are inlined.
-        if weights and (torch.compiler.is_compiling() or _tracing(weights[0])):
-            return [w.to(dtype) for w in weights]  # a compiler or tracer sees plain casts
+        if not weights or torch.compiler.is_compiling() or _tracing(weights[0]):
+            return weights  # a compiler or tracer sees plain casts, where the weights are used
         grad = torch.is_grad_enabled()
         entries = self._entries
         out = list(weights)
-        tracked = []
         for i, w in enumerate(weights):
-            if w.dtype == dtype:
-                continue
-            if grad and w.requires_grad:
-                tracked.append(i)
+            if w.dtype is dtype or (grad and w.requires_grad):
                 continue
             entry = entries.get((id(w), dtype))
             if entry is not None and entry.weight() is w and entry.version == w._version \
@@ -101,12 +111,6 @@ class WeightCastCache:
                 out[i] = entry.copy
             else:
                 out[i] = self.cast(w, dtype)
-        if tracked:
-            members = [weights[i] for i in tracked]
-            made = _BatchCast.apply(dtype, *members) if batched(members) else \
-                [w.to(dtype) for w in members]
-            for i, t in zip(tracked, made):
-                out[i] = t
         return out
 
     def _refresh(self, weight: torch.Tensor, dtype: torch.dtype,
@@ -150,38 +154,8 @@ class WeightCastCache:
 
 
 BATCHED_DEVICE_TYPES = frozenset({"cuda"})
-"""Devices where casts of many tensors are batched (:func:`cast_batch`, and for weights that
-autograd tracks :class:`_BatchCast`): those where each cast is a kernel launch. On the CPU a
-``.to`` per tensor is cheaper than the batch's extra copy and the batched node's bookkeeping
-(100 small weights: 410 µs against 460 µs with gradients on, torch 2.13)."""
-
-
-def batched(tensors: list[torch.Tensor]) -> bool:
-    """Whether casts of ``tensors`` (that autograd tracks) are made as one batch."""
-    return len(tensors) > 1 and tensors[0].device.type in BATCHED_DEVICE_TYPES
-
-
-class _BatchCast(torch.autograd.Function):
-    """Casts many tensors to one dtype as one autograd node; backward casts each gradient
-    back to its tensor's dtype, as ``ToCopyBackward`` does for each of them."""
-
-    @staticmethod
-    def forward(ctx: Any, dtype: torch.dtype, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.dtypes = [t.dtype for t in tensors]
-        # Unused outputs get no gradient (None), not zeros: a weight the forward did not use
-        # keeps .grad None, as with one cast per weight.
-        ctx.set_materialize_grads(False)
-        return tuple(cast_batch(list(tensors), dtype))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        present = [i for i, g in enumerate(grads) if g is not None]
-        out: list[torch.Tensor | None] = [None] * len(grads)
-        for dtype in set(ctx.dtypes[i] for i in present):
-            group = [i for i in present if ctx.dtypes[i] == dtype]
-            for i, g in zip(group, cast_batch([grads[i] for i in group], dtype)):
-                out[i] = g
-        return (None, *out)
+"""Devices where :func:`cast_batch` packs many tensors into one cast: those where each cast is
+a kernel launch."""
 
 
 _BATCH_ELEMENTS = 1 << 24

@@ -4,17 +4,24 @@ A converted forward starts with::
 
     weights = _amp_weights.fetch(('b.0.l.weight', torch.bfloat16), ('b.0.n.weight',),
                                  cache = _amp_weight_cache)
-    b_0_l_weight_bf16 = weights[0]
+    b_0_l_weight = weights[0]
     b_0_n_weight = weights[1]
 
+and casts each parameter where it is used::
+
+    b_0_l_weight_bf16 = _amp_weight_cache.cast(b_0_l_weight, torch.bfloat16)
+
 :class:`WeightTable` is the ``_amp_weights`` object: it reads each tensor through two dict
-lookups and hands the parameter casts to the cast cache (:mod:`.weight_cache`) or O2's stored
-copies (:mod:`.low_copies`) in batches. The functions below read that spelling off a graph
-(:func:`is_fetch`, :func:`read_name`, ...) and undo it (:func:`ungather_weights`); the pass
-that writes it is :mod:`amprewrite.passes.gather_weights`.
+lookups, looks up the cached copies of the parameter casts in batches (so that in inference
+each ``cast`` returns the copy it is handed, :mod:`.weight_cache`) and reads O2's stored copies
+(:mod:`.low_copies`). The functions below read that spelling off a graph (:func:`is_fetch`,
+:func:`read_name`, ...) and undo it (:func:`ungather_weights`); the pass that writes it is
+:mod:`amprewrite.passes.gather_weights`.
 
 An entry is ``(name,)`` for a tensor read as it is stored, ``(name, dtype)`` for a parameter
-cast and ``(name, dtype, 'low copy')`` for an O2 parameter's stored low-precision copy.
+that the forward casts to ``dtype`` (the item is the parameter, or its cached copy where the
+cast needs no gradient; only ``cast`` nodes to ``dtype`` use it) and
+``(name, dtype, 'low copy')`` for an O2 parameter's stored low-precision copy.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import torch.nn as nn
 
 from ..errors import AmpRewriteError
 from .low_copies import LOW_COPIES_ATTR, LowPrecisionCopies
-from .weight_cache import CACHE_ATTR, WeightCastCache
+from .weight_cache import WeightCastCache
 
 __all__ = ["WeightTable", "WEIGHTS_ATTR", "LOW_COPY", "is_fetch", "read_name",
            "gathered_cast_dtype", "entry_nodes", "ungather_weights", "owner_node"]
@@ -57,9 +64,9 @@ class WeightTable:
     def fetch(self, *entries: tuple[Any, ...], cache: WeightCastCache | None = None,
               store: LowPrecisionCopies | None = None) -> tuple[torch.Tensor, ...]:
         """The tensors of ``entries`` (the table's own, repeated in the generated code so that
-        it shows them), cast where an entry names a dtype: parameter casts by ``cache``, O2
-        low copies from ``store`` (the module's own, passed by the graph so that copies of the
-        module keep them)."""
+        it shows them): for a parameter cast, the cached copy from ``cache`` where the cast
+        needs no gradient (:meth:`WeightCastCache.lookup_many`); O2 low copies from ``store``
+        (the module's own, passed by the graph so that copies of the module keep them)."""
         if len(entries) != len(self._slots):
             raise AmpRewriteError(
                 f"the weight table of this module has {len(self._slots)} entries but the "
@@ -68,7 +75,7 @@ class WeightTable:
         tensors = [_read(slot) for slot in self._slots]
         out = list(tensors)
         for dtype, indices in self._casts:
-            made = cache.cast_many([tensors[i] for i in indices], dtype)  # type: ignore[union-attr]
+            made = cache.lookup_many([tensors[i] for i in indices], dtype)  # type: ignore[union-attr]
             for i, t in zip(indices, made):
                 out[i] = t
         for dtype, indices in self._low:
@@ -122,12 +129,12 @@ def read_name(node: Any) -> str | None:
 
 
 def gathered_cast_dtype(node: Any) -> torch.dtype | None:
-    """The dtype a ``weights[i]`` item casts its parameter to, None for other nodes."""
+    """The dtype of an O2 low copy's ``weights[i]`` item, None for other nodes."""
     if isinstance(node, fx.Node) and node.op == "call_function" and \
             node.target is operator.getitem and isinstance(node.args[0], fx.Node) and \
             is_fetch(node.args[0]):
         entry = node.args[0].args[1 + node.args[1]]
-        return entry[1] if len(entry) > 1 else None
+        return entry[1] if len(entry) == 3 else None
     return None
 
 
@@ -150,8 +157,9 @@ def is_fetch(node: fx.Node) -> bool:
 
 
 def ungather_weights(gm: fx.GraphModule, source: nn.Module | None = None) -> None:
-    """Undo :class:`GatherWeightsPass`: one ``get_attr`` per tensor and one cast node per
-    parameter cast, as the other passes expect them.
+    """Undo :class:`GatherWeightsPass`: one ``get_attr`` per tensor, read by the parameter
+    casts (which stay where they are) and by one O2 ``get`` node per low copy, as the other
+    passes expect them.
 
     ``source``: the module whose attributes the tensors are (when ``gm`` is a new
     GraphModule built from a gathered graph, it holds only the table, not the tensors)."""
@@ -166,25 +174,26 @@ def ungather_weights(gm: fx.GraphModule, source: nn.Module | None = None) -> Non
             if source is not None:
                 _copy_attr(source, gm, name)
         reads: dict[str, fx.Node] = {}
-        for item in items:  # plain reads first: they become get_attr nodes in place
+        low_copies = []
+        # Reads first (plain entries and the parameters that casts read): they become
+        # get_attr nodes in place, a second read of one tensor is merged into the first.
+        for item in items:
             entry = entries[item.args[1]]
-            if len(entry) == 1 and entry[0] not in reads:
+            if len(entry) == 3:
+                low_copies.append((item, entry))
+                continue
+            if entry[0] in reads:
+                item.replace_all_uses_with(reads[entry[0]])
+                graph.erase_node(item)
+            else:
                 item.op, item.target, item.args, item.kwargs = "get_attr", entry[0], (), {}
                 reads[entry[0]] = item
-        for item in items:
-            entry = entries[item.args[1]] if item.op == "call_function" else None
-            if entry is None:
-                continue
+        for item, entry in low_copies:
             if entry[0] not in reads:
                 with graph.inserting_before(item):
                     reads[entry[0]] = graph.get_attr(entry[0])
-            if len(entry) == 1:  # a second plain read of one tensor
-                item.replace_all_uses_with(reads[entry[0]])
-                graph.erase_node(item)
-                continue
-            owner = owner_node(graph, LOW_COPIES_ATTR if len(entry) == 3 else CACHE_ATTR,
-                                gm, source)
-            item.op, item.target = "call_method", "get" if len(entry) == 3 else "cast"
+            owner = owner_node(graph, LOW_COPIES_ATTR, gm, source)
+            item.op, item.target = "call_method", "get"
             item.args, item.kwargs = (owner, reads[entry[0]], entry[1]), {}
         graph.erase_node(fetch)
         graph.erase_node(holder)

@@ -75,7 +75,7 @@ def _is_weight_cast(t: torch.Tensor, trained: set[int]) -> bool:
     while fn is not None and type(fn).__name__ in _VIEWS:
         fn = fn.next_functions[0][0]
     nexts = [f for f, _ in fn.next_functions if f is not None] if fn is not None else []
-    return type(fn).__name__ in ("ToCopyBackward0", "_BatchCastBackward") and bool(nexts) and \
+    return type(fn).__name__ == "ToCopyBackward0" and bool(nexts) and \
         all(id(getattr(f, "variable", None)) in trained for f in nexts)
 
 

@@ -1,0 +1,137 @@
+"""When do weight gradients reach ``.grad`` during backward? torch.autocast against amprewrite.
+
+DDP all-reduces a bucket of gradients as soon as all of them have reached ``.grad``, while the
+backward computes the earlier layers' gradients; a low-precision weight gradient stays alive
+until its cast back to fp32 runs. Both depend on *when* autograd runs each weight cast's
+backward. This benchmark counts it, without timings: the backward's ATen ops are counted by a
+dispatch mode, and each parameter's post-accumulate-grad hook records how many had run when
+its gradient arrived. ``arrival`` is that count as a share of the backward's ops (0%: at the
+start, 100%: at the very end), over the parameters the variant computes with in low
+precision (the matmul weights and biases); ``arrived by 50%`` is the share of those parameters
+whose gradient had reached ``.grad`` when half the backward's ops had run (a layer-by-layer
+backward gives about half).
+
+    python benchmarks/bench_grad_arrival.py                 # print the table
+    python benchmarks/bench_grad_arrival.py --update-md     # also replace its BENCHMARKS.md block
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from _models import GPT, LaunchBound
+from tabulate import tabulate
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import amprewrite
+
+_BEGIN, _END = "<!-- grad-arrival:begin -->", "<!-- grad-arrival:end -->"
+COMMAND = "python benchmarks/bench_grad_arrival.py --update-md"
+DTYPE = torch.bfloat16
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def arrivals(model: nn.Module, run: Callable[[], torch.Tensor], lowered: set[str]
+             ) -> list[float]:
+    """The share of the backward's ops run when each ``lowered`` parameter's gradient arrived."""
+    counter = _OpCounter()
+    seen: dict[str, int] = {}
+
+    def hook(name: str) -> Callable[[torch.Tensor], None]:
+        def record(param: torch.Tensor) -> None:
+            seen.setdefault(name, counter.ops)
+        return record
+
+    hooks = [p.register_post_accumulate_grad_hook(hook(name))
+             for name, p in model.named_parameters() if name in lowered]
+    model.zero_grad(set_to_none=True)
+    loss = run().float().square().mean()
+    try:
+        with counter:
+            loss.backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [seen[name] / counter.ops for name in lowered if name in seen]
+
+
+def _cases() -> list[tuple[str, nn.Module, tuple]]:
+    torch.manual_seed(0)
+    return [("Launch-bound 50x(LN+Linear) d8, 2x8", LaunchBound(), (torch.randn(2, 8),)),
+            ("GPT stack 4L d32, 2x16 tok", GPT(256, 32, 2, 4, 64).eval(),
+             (torch.randint(0, 256, (2, 16)),))]
+
+
+def rows() -> list[list[Any]]:
+    out = []
+    for label, model, args in _cases():
+        lowered = {name for name, p in model.named_parameters()
+                   if name.rpartition(".")[0].split(".")[-1] in
+                   {"qkv", "proj", "fc1", "fc2", "head"} or ".fcs." in f".{name}"}
+
+        def autocast_run() -> torch.Tensor:
+            with torch.autocast("cpu", DTYPE):
+                return model(*args)
+
+        variants: dict[str, Callable[[], torch.Tensor]] = {"torch.autocast": autocast_run}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the CPU's bf16 speed warning
+            preset = amprewrite.convert(model, args, policy=amprewrite.Policy.autocast("cpu", DTYPE))
+            default = amprewrite.convert(model, args, policy=amprewrite.Policy(dtype=DTYPE))
+            o2 = amprewrite.convert(model, args, opt_level="O2", dtype=DTYPE)
+        amprewrite.MasterWeights(o2, torch.optim.SGD(o2.parameters(), lr=0.0))
+        variants.update({"preset": lambda: preset(*args), "default": lambda: default(*args),
+                         "O2": lambda: o2(*args)})
+        for name, run in variants.items():
+            shares = arrivals(model, run, lowered)
+            out.append([label, name, len(shares), f"{statistics.median(shares):.0%}",
+                        f"{min(shares):.0%}", f"{sum(s <= 0.5 for s in shares) / len(shares):.0%}"])
+    return out
+
+
+HEADERS = ["model", "variant", "low-precision params", "median arrival", "first arrival",
+           "arrived by 50%"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--update-md", action="store_true",
+                        help="replace the grad-arrival block of BENCHMARKS.md")
+    opts = parser.parse_args()
+    table = tabulate(rows(), HEADERS, tablefmt="github")
+    machine = (f"cpu {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, "
+               f"bf16; counts of ATen ops, not timings")
+    print(machine)
+    print(table)
+    if opts.update_md:
+        path = os.path.join(os.path.dirname(__file__), "..", "BENCHMARKS.md")
+        with open(path) as f:
+            text = f.read()
+        block = (f"{_BEGIN}\nCommand: `{COMMAND}`  \nMachine: {machine}\n\n{table}\n{_END}")
+        if _BEGIN in text:
+            text = re.sub(f"{_BEGIN}.*?{_END}", lambda _: block, text, flags=re.S)
+        else:
+            text = text.rstrip() + "\n\n" + block + "\n"
+        with open(path, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,8 @@ call parses its arguments against the JIT schema and costs 1.5-3 µs more than
 GPU training of small and medium models) that is a fifth of the forward.
 
 :func:`recompile_with_bindings` regenerates ``gm.forward`` with each such call replaced by
-the binding that runs the *same* ATen op: ``torch.<name>`` or ``torch._C._nn.<name>``. The graph keeps its ``OpOverload`` targets (every pass, ``explain`` and
+the binding that runs the *same* ATen op: ``torch.<name>`` or ``torch._C._nn.<name>``, else
+the Tensor method (``x.view(...)``, ``x.expand(...)``: ops eager code calls only as methods). The graph keeps its ``OpOverload`` targets (every pass, ``explain`` and
 ``lint`` read those); only the generated code changes, so a later ``gm.recompile()`` gives
 the plain code back, equal in results.
 
@@ -51,20 +52,35 @@ _PROVEN: dict[tuple[Any, ...], Callable[..., Any] | None] = {}
 """(op, argument signature) -> the binding proven to run it, or None (none does)."""
 
 
+class _Method(str):
+    """A Tensor method binding, by name: the call is generated as ``x.view(...)``.
+
+    NB: as a method call of the node's first argument, never as the function
+    ``torch.Tensor.view``: a method descriptor rejects the proxies a tracer passes (the
+    symbolic tracer re-capturing a converted module), where a method call on a proxy records.
+    """
+
+    def __call__(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(tensor, self)(*args, **kwargs)
+
+
 def recompile_with_bindings(gm: fx.GraphModule) -> fx.GraphModule:
     """Regenerate ``gm``'s code with proven bindings in place of ``torch.ops.aten`` calls."""
-    swapped: list[tuple[fx.Node, Any]] = []
+    swapped: list[tuple[fx.Node, str, Any]] = []
     mode = graph_fake_mode(gm)
     for node in gm.graph.nodes:
         binding = _binding_for(node, mode)
         if binding is not None:
-            swapped.append((node, node.target))
-            node.target = binding
+            swapped.append((node, node.op, node.target))
+            if isinstance(binding, _Method):
+                node.op, node.target = "call_method", str(binding)
+            else:
+                node.target = binding
     try:
         gm.recompile()
     finally:
-        for node, target in swapped:  # the graph keeps its OpOverloads
-            node.target = target
+        for node, op, target in swapped:  # the graph keeps its OpOverloads
+            node.op, node.target = op, target
     return gm
 
 
@@ -152,8 +168,12 @@ def _nameable(binding: Any) -> bool:
 
 def _prove(op: torch._ops.OpOverload, node: fx.Node) -> Callable[..., Any] | None:
     name = op._schema.name.split("::", 1)[1]
-    candidates = [getattr(ns, name) for ns in _NAMESPACES
-                  if hasattr(ns, name) and _nameable(getattr(ns, name))]
+    candidates: list[Callable[..., Any]] = [
+        getattr(ns, name) for ns in _NAMESPACES
+        if hasattr(ns, name) and _nameable(getattr(ns, name))]
+    # Ops that eager code calls as Tensor methods only (view, expand, contiguous, ...).
+    if hasattr(torch.Tensor, name) and node.args and isinstance(node.args[0], fx.Node):
+        candidates.append(_Method(name))
     if not candidates:
         return None
     try:

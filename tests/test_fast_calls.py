@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 
-import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn

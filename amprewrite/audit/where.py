@@ -57,7 +57,8 @@ def _node_contexts(gm: torch.fx.GraphModule, prefix: str) -> list[Context]:
         paths = module_paths(node)
         inner = paths[-1] if paths else ""
         module = ".".join(p for p in (prefix, inner) if p)
-        # The gathered weight reads cast every parameter in one batch: their ops are casts.
+        # The gathered weight reads make the cached and O2 copies of parameters: their ops
+        # are casts.
         out.append(Context(node.name, module, cast_info(node) is not None or is_fetch(node)))
     return out
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import platform
-import re
 import statistics
 import sys
 import time
@@ -22,10 +22,10 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from _speed_report import write_markdown
 
 import amprewrite
 
-_BEGIN, _END = "<!-- audit:begin -->", "<!-- audit:end -->"
 
 
 class MLP(nn.Module):
@@ -121,9 +121,7 @@ def main() -> None:
         machine = (f"CPU ({_cpu_name()}, capability {torch.backends.cpu.get_cpu_capability()}), "
                    f"{os.cpu_count()} cores, torch {torch.__version__}; 1-minute load average "
                    f"{load:.1f} at the end (other processes shared the cores)")
-    begin, end = _markers(args.device)
-    block = "\n".join([
-        begin,
+    block = [
         f"## Auditor overhead (`amprewrite.audit()`), {args.device}",
         "",
         f"MLP: {args.depth} x Linear({args.width}, {args.width}) + ReLU + residual, LayerNorm, "
@@ -143,16 +141,12 @@ def main() -> None:
         "times faster than fp32 ones. The largest remaining cost is the exponent histogram "
         "(torch.bincount, single-threaded on CPU). The machine is shared: single timings vary "
         "between runs; the ratios, measured side by side, by about +-20%.",
-        end,
-    ])
-    print(block)
+    ]
+    print("\n".join(block))
     if args.update_md:
-        _update(block, begin, end)
-
-
-def _markers(device: str) -> tuple[str, str]:
-    return (_BEGIN, _END) if device == "cpu" else \
-        (f"<!-- audit-{device}:begin -->", f"<!-- audit-{device}:end -->")
+        section = "audit" if args.device == "cpu" else f"audit-{args.device}"
+        write_markdown(pathlib.Path(__file__).resolve().parent.parent / "BENCHMARKS.md",
+                       section, block)
 
 
 def _cpu_name() -> str:
@@ -164,18 +158,6 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def _update(block: str, begin: str, end: str) -> None:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "BENCHMARKS.md")
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: block, text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    with open(path, "w") as f:
-        f.write(text)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,7 @@ backward gives about half).
 from __future__ import annotations
 
 import argparse
-import os
-import re
+import pathlib
 import statistics
 import warnings
 from typing import Any, Callable
@@ -27,12 +26,12 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 from _models import GPT, LaunchBound
+from _speed_report import write_markdown
 from tabulate import tabulate
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amprewrite
 
-_BEGIN, _END = "<!-- grad-arrival:begin -->", "<!-- grad-arrival:end -->"
 COMMAND = "python benchmarks/bench_grad_arrival.py --update-md"
 DTYPE = torch.bfloat16
 
@@ -82,10 +81,6 @@ def _cases() -> list[tuple[str, nn.Module, tuple]]:
 def rows() -> list[list[Any]]:
     out = []
     for label, model, args in _cases():
-        lowered = {name for name, p in model.named_parameters()
-                   if name.rpartition(".")[0].split(".")[-1] in
-                   {"qkv", "proj", "fc1", "fc2", "head"} or ".fcs." in f".{name}"}
-
         def autocast_run() -> torch.Tensor:
             with torch.autocast("cpu", DTYPE):
                 return model(*args)
@@ -96,6 +91,9 @@ def rows() -> list[list[Any]]:
             preset = amprewrite.convert(model, args, policy=amprewrite.Policy.autocast("cpu", DTYPE))
             default = amprewrite.convert(model, args, policy=amprewrite.Policy(dtype=DTYPE))
             o2 = amprewrite.convert(model, args, opt_level="O2", dtype=DTYPE)
+        # The parameters the preset casts (its weight table's cast entries): the same ones
+        # under torch.autocast and the other variants.
+        lowered = {entry[0] for entry in preset._amp_weights.entries if len(entry) == 2}
         amprewrite.MasterWeights(o2, torch.optim.SGD(o2.parameters(), lr=0.0))
         variants.update({"preset": lambda: preset(*args), "default": lambda: default(*args),
                          "O2": lambda: o2(*args)})
@@ -121,17 +119,9 @@ def main() -> None:
     print(machine)
     print(table)
     if opts.update_md:
-        path = os.path.join(os.path.dirname(__file__), "..", "BENCHMARKS.md")
-        with open(path) as f:
-            text = f.read()
-        block = (f"{_BEGIN}\nCommand: `{COMMAND}`  \nMachine: {machine}\n\n{table}\n{_END}")
-        if _BEGIN in text:
-            text = re.sub(f"{_BEGIN}.*?{_END}", lambda _: block, text, flags=re.S)
-        else:
-            text = text.rstrip() + "\n\n" + block + "\n"
-        with open(path, "w") as f:
-            f.write(text)
-
+        write_markdown(pathlib.Path(__file__).resolve().parent.parent / "BENCHMARKS.md",
+                       "grad-arrival",
+                       [f"Command: `{COMMAND}`  ", f"Machine: {machine}", "", table])
 
 if __name__ == "__main__":
     main()

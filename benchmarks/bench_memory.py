@@ -12,15 +12,14 @@ depend on the machine's load.
 from __future__ import annotations
 
 import argparse
-import os
-import re
+import pathlib
 import warnings
 
 import torch
+from _speed_report import write_markdown
 
 import amprewrite
 
-_BEGIN, _END = "<!-- memory:begin -->", "<!-- memory:end -->"
 COMMAND = "python benchmarks/bench_memory.py --update-md"
 
 
@@ -59,8 +58,7 @@ def main() -> None:
 def _update(table: str) -> None:
     import transformers
 
-    block = "\n".join([
-        _BEGIN,
+    block = [
         "## Memory of one training step: a small transformer (`benchmarks/bench_memory.py`)",
         "",
         "LlamaForCausalLM from `LlamaConfig(hidden_size=64, intermediate_size=128, "
@@ -75,19 +73,9 @@ def _update(table: str) -> None:
         "```", table, "```",
         "",
         "How to read it (why O1 saves fewer activation bytes than torch.autocast, and why O2 "
-        "holds more than O1): README.md, section \"Memory: what AMP buys\".",
-        _END])
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "BENCHMARKS.md")
-    with open(path) as f:
-        text = f.read()
-    if _BEGIN in text:
-        text = re.sub(re.escape(_BEGIN) + ".*?" + re.escape(_END), lambda _: block, text,
-                      flags=re.S)
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    with open(path, "w") as f:
-        f.write(text)
-
+        "holds more than O1): README.md, section \"Memory: what AMP buys\"."]
+    write_markdown(pathlib.Path(__file__).resolve().parent.parent / "BENCHMARKS.md", "memory",
+                   block)
 
 if __name__ == "__main__":
     main()

@@ -47,21 +47,24 @@ LOW_COPIES_ATTR = "_amp_low_copies"
 
 
 class _Entry:
-    """One master's copy, and the master's state (version, storage) it was made from."""
+    """One master's copy, and the master's state (version, storage, shape, autograd role) it
+    was made from."""
 
-    __slots__ = ("master", "version", "data_ptr", "copy")
+    __slots__ = ("master", "version", "data_ptr", "shape", "requires_grad", "copy")
 
     def __init__(self, master: torch.Tensor, copy: torch.Tensor) -> None:
         self.master = weakref.ref(master)
         self.version = master._version
         self.data_ptr = master.data_ptr()
+        self.shape = master.shape
+        self.requires_grad = master.requires_grad
         self.copy = copy
 
     def fits(self, master: torch.Tensor) -> bool:
         """Whether the copy can be rewritten in place from ``master``: same storage, shape and
         autograd role (a remade parameter, ``p.data = t`` or ``requires_grad_`` need a new one)."""
-        return (self.data_ptr == master.data_ptr() and self.copy.shape == master.shape
-                and self.copy.requires_grad == master.requires_grad)
+        return (self.data_ptr == master.data_ptr() and self.shape == master.shape
+                and self.requires_grad == master.requires_grad)
 
 
 def _tracing(master: torch.Tensor) -> bool:
@@ -124,14 +127,15 @@ class LowPrecisionCopies:
             if (entry is not None and entry.master() is master
                     and entry.version == master._version
                     and entry.data_ptr == master.data_ptr()
-                    and entry.copy.requires_grad == master.requires_grad):
+                    and entry.requires_grad == master.requires_grad):
                 out.append(entry.copy)
             else:
                 out.append(None)
-                stale.append((i, key, master))
+                stale.append((i, key, entry if entry is not None and entry.master() is master
+                               else None, master))
         if stale:
-            self._update([(key, master) for _, key, master in stale])
-            for i, key, _ in stale:
+            self._update([(key, entry, master) for _, key, entry, master in stale])
+            for i, key, _, _ in stale:
                 out[i] = self._entries[key].copy
         return out
 
@@ -166,18 +170,19 @@ class LowPrecisionCopies:
             if master is None:
                 del self._entries[key]
             elif wanted is None or key[0] in wanted:
-                stale.append((key, master))
+                stale.append((key, entry, master))
         self._update(stale)
 
-    def _update(self, items: list[tuple[tuple[int, torch.dtype], torch.Tensor]]) -> None:
-        """Bring the copies of ``(key, master)`` pairs up to date: rewritten in place by one
-        batched copy where they fit (module docstring), made anew where not."""
+    def _update(self, items: list[tuple[tuple[int, torch.dtype], _Entry | None, torch.Tensor]]
+                ) -> None:
+        """Bring the copies of ``(key, entry, master)`` triples up to date (``entry``: the
+        stored one, None if there is none): rewritten in place by one batched copy where they
+        fit (module docstring), made anew where not."""
         rewrite: list[_Entry] = []
         sources: list[torch.Tensor] = []
         remake = []
-        for key, master in items:
-            entry = self._entries.get(key)
-            if entry is not None and entry.master() is master and entry.fits(master):
+        for key, entry, master in items:
+            if entry is not None and entry.fits(master):
                 rewrite.append(entry)
                 sources.append(master)
             else:

@@ -69,3 +69,27 @@ def test_nodes_without_values_keep_overloads() -> None:
     graph.output(graph.call_function(torch.ops.aten.relu.default, (x,)))
     gm = recompile_with_bindings(fx.GraphModule(nn.Module(), graph))
     assert "torch.ops.aten.relu.default(x)" in gm.code
+
+
+class Split(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(8, dim=-1)
+        return q * k + v
+
+
+def test_a_list_result_only_indexed_takes_the_tuple_binding() -> None:
+    """``aten::split`` returns a list and ``Tensor.split`` a tuple; the graph only indexes it,
+    so the method call is proven equal."""
+    model, x = Split(), torch.randn(2, 8)
+    gm = amprewrite.convert(model, (x,), policy=amprewrite.Policy.autocast("cpu", torch.bfloat16))
+    assert "torch.ops.aten.split" not in gm.code and re.search(r"= linear\.split\(8, -1\)", gm.code)
+    assert torch.ops.aten.split.Tensor in {n.target for n in gm.graph.nodes}
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        expected = model(x)
+    with torch.no_grad():
+        assert torch.equal(gm(x), expected)

@@ -8,9 +8,10 @@ GPU training of small and medium models) that is a fifth of the forward.
 
 :func:`recompile_with_bindings` regenerates ``gm.forward`` with each such call replaced by
 the binding that runs the *same* ATen op: ``torch.<name>`` or ``torch._C._nn.<name>``, else
-the Tensor method (``x.view(...)``, ``x.expand(...)``: ops eager code calls only as methods). The graph keeps its ``OpOverload`` targets (every pass, ``explain`` and
-``lint`` read those); only the generated code changes, so a later ``gm.recompile()`` gives
-the plain code back, equal in results.
+the Tensor method (``x.view(...)``, ``x.expand(...)``: ops eager code calls only as methods).
+The graph keeps its ``OpOverload`` targets (every pass, ``explain`` and ``lint`` read those);
+only the generated code changes, so a later ``gm.recompile()`` gives the plain code back,
+equal in results.
 
 Before::
 
@@ -25,8 +26,9 @@ After::
 **Same op, proven per signature.** A binding chooses an overload from its arguments' types,
 so a candidate is accepted only when, run on the node's example values (fake tensors), it
 dispatches exactly the ATen ops the ``OpOverload`` dispatches, with the same arguments
-(composite ops included: their decompositions are compared), and returns the same structure. The proof is cached by op and
-argument types. Nodes without example values (symbolic capture without inputs), mutating
+(composite ops included: their decompositions are compared), and returns the same structure
+(a list and a tuple count as one where the graph only indexes the result: ``aten::split``
+gives a list, ``Tensor.split`` a tuple). The proof is cached by op and argument types. Nodes without example values (symbolic capture without inputs), mutating
 ops and ops of other namespaces keep their ``OpOverload``.
 """
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import operator
 from typing import Any, Callable
 
 import torch
@@ -151,6 +154,10 @@ def _run(fn: Callable[..., Any], node: fx.Node) -> tuple[list[Any], Any]:
     args, kwargs = map_aggregate((node.args, node.kwargs), _value)
     with _Dispatched() as seen:
         out = fn(*args, **kwargs)
+    if isinstance(out, list) and all(u.target is operator.getitem for u in node.users):
+        # ``aten::split`` returns a list, ``torch.split`` a tuple: the same to a graph that
+        # only indexes the result.
+        out = tuple(out)
     return seen.ops, torch.utils._pytree.tree_structure(out)
 
 

@@ -1,5 +1,5 @@
-"""The pass pipeline of a conversion: decompose, classify, insert casts, fit constants,
-eliminate casts."""
+"""The pass pipeline of a conversion: drop no-ops, decompose, classify, insert casts, fit
+constants, eliminate casts."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from ..graph.meta import cast_info
 from ..policy.policy import Policy
 from .classify import ClassifyPass
 from .decompose import DecomposeCompositesPass
+from .drop_noops import DropNoOpsPass
 from .eliminate_casts import EliminateCastsPass, _report
 from .fit_constants import FitConstantsPass
 from .insert_casts import InsertCastsPass
@@ -21,7 +22,7 @@ __all__ = ["amp_passes", "run_passes"]
 
 def amp_passes(policy: Policy, dtype: torch.dtype) -> list:
     """The graph-to-graph steps of a conversion, in order (each is idempotent)."""
-    return [DecomposeCompositesPass(policy), ClassifyPass(policy, dtype),
+    return [DropNoOpsPass(), DecomposeCompositesPass(policy), ClassifyPass(policy, dtype),
             InsertCastsPass(policy, dtype), FitConstantsPass(), EliminateCastsPass(policy)]
 
 

@@ -93,3 +93,43 @@ def test_a_list_result_only_indexed_takes_the_tuple_binding() -> None:
         expected = model(x)
     with torch.no_grad():
         assert torch.equal(gm(x), expected)
+
+
+class Slices(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 8)  # fixes the last dimension's size, as a head size does
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        half = h.shape[-1] // 2
+        rotated = torch.cat([-h[..., half:], h[..., :half]], dim=-1)  # as rotary embeddings
+        return rotated[:, 1:] * h[:, :-1]
+
+
+def test_slices_are_generated_as_indexing() -> None:
+    """``aten::slice`` runs as eager code writes it, ``h[..., :4]``; with the batch and
+    sequence sizes symbolic, the proof picks the form whose ``:`` fall on known sizes."""
+    class Leading(Slices):  # batch 1: its size is known, so ``h[:, 1:]`` is proven as such
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x)[:, 1:] * 2
+
+    # A proof made for other nodes with the same argument types does not decide these.
+    lead = amprewrite.convert(Leading(), (torch.randn(1, 5, 8),),
+                              policy=amprewrite.Policy.autocast("cpu", torch.bfloat16))
+    assert "linear[(slice(None, None, None), slice(1, 9223372036854775807, None))]" in lead.code
+    model, x = Slices(), torch.randn(2, 5, 8)
+    gm = amprewrite.convert(model, (x,), policy=amprewrite.Policy.autocast("cpu", torch.bfloat16))
+    code = gm.code
+    assert "torch.ops.aten.slice" not in code
+    assert "linear[(Ellipsis, slice(4, 9223372036854775807, None))]" in code
+    assert "linear[(Ellipsis, slice(0, 4, None))]" in code
+    assert "linear[(Ellipsis, slice(0, -1, None), slice(None, None, None))]" in code
+    assert sum(n.target is torch.ops.aten.slice.Tensor for n in gm.graph.nodes) == 4
+    for shape in ((2, 5, 8), (3, 7, 8)):
+        x = torch.randn(shape)
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+            expected = model(x)
+        with torch.no_grad():
+            assert torch.equal(gm(x), expected)

@@ -28,8 +28,10 @@ so a candidate is accepted only when, run on the node's example values (fake ten
 dispatches exactly the ATen ops the ``OpOverload`` dispatches, with the same arguments
 (composite ops included: their decompositions are compared), and returns the same structure
 (a list and a tuple count as one where the graph only indexes the result: ``aten::split``
-gives a list, ``Tensor.split`` a tuple). The proof is cached by op and argument types. Nodes without example values (symbolic capture without inputs), mutating
-ops and ops of other namespaces keep their ``OpOverload``.
+gives a list, ``Tensor.split`` a tuple). The proof is cached by op and argument types.
+``aten::slice`` is generated as indexing (``x[..., 0:4]``, see :class:`_Index`). Nodes
+without example values (symbolic capture without inputs), mutating ops and ops of other
+namespaces keep their ``OpOverload``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import operator
+import sys
 from typing import Any, Callable
 
 import torch
@@ -67,23 +70,70 @@ class _Method(str):
         return getattr(tensor, self)(*args, **kwargs)
 
 
+class _Index:
+    """The binding of ``aten::slice``: eager code slices by indexing, generated as
+    ``x[(slice(None, None, None), slice(0, 4, None))]`` (``x[:, 0:4]``) or, counted from the
+    end, ``x[(Ellipsis, slice(0, 4, None))]`` (``x[..., 0:4]``).
+
+    Indexing names the dimension by position, so it dispatches ``slice`` with the dimension
+    wrapped (``-1`` of a 4-d tensor as ``3``): the proof runs the ``OpOverload`` with the
+    same wrapped dimension, which is what ``aten::slice`` does with a negative one. Of the
+    two forms, the proof takes the one whose ``:`` fall on dimensions of known size (with
+    symbolic sizes a tracer cannot see that ``:`` takes all, and slices again)."""
+
+    def __init__(self, from_end: bool) -> None:
+        self.from_end = from_end
+
+    def __call__(self, tensor: Any, dim: int = 0, *bounds: Any) -> Any:
+        return tensor[self.index(dim % tensor.dim(), tensor.dim(), *bounds)]
+
+    def index(self, dim: int, ndim: int, start: Any = None, end: Any = None, step: Any = 1
+              ) -> tuple[Any, ...]:
+        """The index of a slice of dimension ``dim`` (not negative) of ``ndim``."""
+        cut = slice(start, end, None if step == 1 else step)
+        if self.from_end:
+            return (Ellipsis, cut) + (slice(None),) * (ndim - 1 - dim)
+        return (slice(None),) * dim + (cut,)
+
+    @staticmethod
+    def wrapped(node: fx.Node) -> tuple[Any, ...] | None:
+        """The node's arguments as indexing passes them: the dimension wrapped, the bounds'
+        defaults (``None``: 0 and ``sys.maxsize``, as ``aten::slice`` reads them) written
+        out. None if they cannot be."""
+        val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        if node.kwargs or not isinstance(val, torch.Tensor) or val.dim() == 0:
+            return None
+        x, dim, start, end, step = (*node.args, *(0, None, None, 1)[len(node.args) - 1:])
+        if not isinstance(dim, int):
+            return None
+        return (x, dim % val.dim(), 0 if start is None else start,
+                sys.maxsize if end is None else end, step)
+
+
+_INDEXES = (_Index(from_end=False), _Index(from_end=True))
+
+
 def recompile_with_bindings(gm: fx.GraphModule) -> fx.GraphModule:
     """Regenerate ``gm``'s code with proven bindings in place of ``torch.ops.aten`` calls."""
-    swapped: list[tuple[fx.Node, str, Any]] = []
+    swapped: list[tuple[fx.Node, str, Any, tuple, dict]] = []
     mode = graph_fake_mode(gm)
     for node in gm.graph.nodes:
         binding = _binding_for(node, mode)
         if binding is not None:
-            swapped.append((node, node.op, node.target))
+            swapped.append((node, node.op, node.target, node.args, node.kwargs))
             if isinstance(binding, _Method):
                 node.op, node.target = "call_method", str(binding)
+            elif isinstance(binding, _Index):
+                x, dim, *bounds = _Index.wrapped(node)  # type: ignore[misc]
+                index = binding.index(dim, x.meta["val"].dim(), *bounds)
+                node.target, node.args = operator.getitem, (x, index)
             else:
                 node.target = binding
     try:
         gm.recompile()
     finally:
-        for node, op, target in swapped:  # the graph keeps its OpOverloads
-            node.op, node.target = op, target
+        for node, op, target, args, kwargs in swapped:  # the graph keeps its OpOverloads
+            node.op, node.target, node.args, node.kwargs = op, target, args, kwargs
     return gm
 
 
@@ -95,7 +145,13 @@ def _binding_for(node: fx.Node, mode: Any) -> Callable[..., Any] | None:
     values = [_value(a) for a in (*node.args, *node.kwargs.values())]
     if any(v is _UNKNOWN for v in values):
         return None
-    key = (op, tuple(map(_signature, values)), tuple(node.kwargs))
+    key: tuple[Any, ...] = (op, tuple(map(_signature, values)), tuple(node.kwargs))
+    if op is torch.ops.aten.slice.Tensor:
+        # Which indexing form is proven depends on the dimension and on which sizes are
+        # known (:class:`_Index`), not only on the argument types.
+        wrapped = _Index.wrapped(node)
+        key += (None,) if wrapped is None else (
+            wrapped[1], tuple(isinstance(s, int) for s in values[0].shape))
     if key not in _PROVEN:
         with mode if mode is not None else contextlib.nullcontext():
             _PROVEN[key] = _prove(op, node)
@@ -139,6 +195,8 @@ class _Dispatched(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func is torch.ops.prim.device.default:  # a fake tensor's device query, not an op
+            return func(*args, **kwargs)
         self.ops.append((func, torch.utils._pytree.tree_map(_described, (args, kwargs))))
         return func(*args, **kwargs)
 
@@ -150,8 +208,10 @@ def _described(value: Any) -> Any:
     return value
 
 
-def _run(fn: Callable[..., Any], node: fx.Node) -> tuple[list[Any], Any]:
-    args, kwargs = map_aggregate((node.args, node.kwargs), _value)
+def _run(fn: Callable[..., Any], node: fx.Node, node_args: tuple | None = None
+         ) -> tuple[list[Any], Any]:
+    args, kwargs = map_aggregate((node.args if node_args is None else node_args, node.kwargs),
+                                 _value)
     with _Dispatched() as seen:
         out = fn(*args, **kwargs)
     if isinstance(out, list) and all(u.target is operator.getitem for u in node.users):
@@ -174,6 +234,8 @@ def _nameable(binding: Any) -> bool:
 
 
 def _prove(op: torch._ops.OpOverload, node: fx.Node) -> Callable[..., Any] | None:
+    if op is torch.ops.aten.slice.Tensor:
+        return _prove_index(op, node)
     name = op._schema.name.split("::", 1)[1]
     candidates: list[Callable[..., Any]] = [
         getattr(ns, name) for ns in _NAMESPACES
@@ -192,5 +254,22 @@ def _prove(op: torch._ops.OpOverload, node: fx.Node) -> Callable[..., Any] | Non
             if _run(binding, node) == expected:
                 return binding
         except Exception:  # wrong arguments for this binding: try the next
+            continue
+    return None
+
+
+def _prove_index(op: torch._ops.OpOverload, node: fx.Node) -> _Index | None:
+    wrapped = _Index.wrapped(node)
+    if wrapped is None:
+        return None
+    try:
+        expected = _run(op, node, wrapped)
+    except Exception:  # cannot be run on its example values: keep the OpOverload
+        return None
+    for binding in _INDEXES:
+        try:
+            if _run(binding, node, wrapped) == expected:
+                return binding
+        except Exception:
             continue
     return None

@@ -168,11 +168,12 @@ class _Dims:
 
 
 _TRANSFORMER = {
-    "small": _Dims(4, 256, 4, 512, {"gpt": 4096, "bert": 8192, "gpt2": 8192}),
-    "tiny": _Dims(4, 32, 2, 64, {"gpt": 256, "bert": 256, "gpt2": 256}),
-    # BERT-base's and GPT-2's vocabularies; the GPT stack's is GPT-2's padded to a multiple
-    # of 64, as GPT training code pads it for the GPU.
-    "realistic": _Dims(12, 768, 12, 1024, {"gpt": 50304, "bert": 30522, "gpt2": 50257}),
+    "small": _Dims(4, 256, 4, 512, {"gpt": 4096, "bert": 8192, "gpt2": 8192, "llama": 8192}),
+    "tiny": _Dims(4, 32, 2, 64, {"gpt": 256, "bert": 256, "gpt2": 256, "llama": 256}),
+    # BERT-base's, GPT-2's and Llama 2's vocabularies; the GPT stack's is GPT-2's padded to a
+    # multiple of 64, as GPT training code pads it for the GPU.
+    "realistic": _Dims(12, 768, 12, 1024,
+                       {"gpt": 50304, "bert": 30522, "gpt2": 50257, "llama": 32000}),
 }
 
 
@@ -188,6 +189,15 @@ def _hf(kind: str, dims: _Dims) -> nn.Module:
             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         config._attn_implementation = "eager"
         return HFEncoder(transformers.BertModel(config, add_pooling_layer=False))
+    if kind == "llama":
+        # RMSNorm, rotary embeddings (sliced per layer), SwiGLU MLP; no key/value cache.
+        config = transformers.LlamaConfig(
+            hidden_size=dims.d_model, num_hidden_layers=dims.layers,
+            num_attention_heads=dims.heads, num_key_value_heads=dims.heads,
+            intermediate_size=4 * dims.d_model, vocab_size=dims.vocab["llama"],
+            max_position_embeddings=dims.max_len, use_cache=False)
+        config._attn_implementation = "eager"
+        return HFEncoder(transformers.LlamaModel(config))
     config = transformers.GPT2Config(
         n_embd=dims.d_model, n_layer=dims.layers, n_head=dims.heads, n_inner=4 * dims.d_model,
         vocab_size=dims.vocab["gpt2"], n_positions=dims.max_len, resid_pdrop=0.0,
@@ -269,6 +279,8 @@ def _specs(size: str) -> dict[str, _Spec]:
                       tokens_of("bert"), tokens, "tok"),
         "gpt2": _Spec(f"HF GPT2Model {dims.label}", lambda: _hf("gpt2", dims),
                       tokens_of("gpt2"), tokens, "tok"),
+        "llama": _Spec(f"HF LlamaModel {dims.label}", lambda: _hf("llama", dims),
+                       tokens_of("llama"), tokens, "tok"),
     }
 
 

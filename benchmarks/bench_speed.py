@@ -298,7 +298,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--models", default=",".join(MODEL_KEYS),
                         type=lambda t: _keys(t, MODEL_KEYS, "model"),
                         help="comma-separated model keys: launch (50 tiny LN+Linear blocks, "
-                        "batch 2: per-op overhead), mlp, cnn, gpt (a GPT stack), bert and gpt2 "
+                        "batch 2: per-op overhead), mlp, cnn, gpt (a GPT stack), bert, gpt2 and llama "
                         "(HF transformers), run in the order given (default: all)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         type=lambda t: _keys(t, VARIANTS, "variant"),

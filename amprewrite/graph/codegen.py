@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import operator
-import sys
 from typing import Any, Callable
 
 import torch
@@ -48,6 +47,7 @@ from torch.fx.node import map_aggregate
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .fake import graph_fake_mode
+from .queries import slice_args
 
 __all__ = ["recompile_with_bindings"]
 
@@ -98,16 +98,14 @@ class _Index:
     @staticmethod
     def wrapped(node: fx.Node) -> tuple[Any, ...] | None:
         """The node's arguments as indexing passes them: the dimension wrapped, the bounds'
-        defaults (``None``: 0 and ``sys.maxsize``, as ``aten::slice`` reads them) written
-        out. None if they cannot be."""
+        defaults written out (:func:`slice_args`). None if they cannot be."""
+        args = slice_args(node)
         val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
-        if node.kwargs or not isinstance(val, torch.Tensor) or val.dim() == 0:
+        if args is None or not isinstance(val, torch.Tensor) or val.dim() == 0 or \
+                not isinstance(args[1], int):
             return None
-        x, dim, start, end, step = (*node.args, *(0, None, None, 1)[len(node.args) - 1:])
-        if not isinstance(dim, int):
-            return None
-        return (x, dim % val.dim(), 0 if start is None else start,
-                sys.maxsize if end is None else end, step)
+        x, dim, *bounds = args
+        return (x, dim % val.dim(), *bounds)
 
 
 _INDEXES = (_Index(from_end=False), _Index(from_end=True))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import operator
 import re
+import sys
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -16,7 +18,7 @@ import torch.fx as fx
 from ..policy.opkey import is_inplace
 from ..runtime.functions import guarded_cast
 
-__all__ = ["cast_source", "mutated", "module_paths"]
+__all__ = ["cast_source", "mutated", "module_paths", "slice_args"]
 
 _METHOD_CASTS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
                  "double": torch.float64}
@@ -55,6 +57,17 @@ _VIEW_METHODS = frozenset({
     "movedim", "swapaxes", "diagonal", "real", "imag", "unfold", "tensor_split", "split_with_sizes",
     "getitem", "float", "half", "bfloat16", "double", "type", "data",
 })
+
+
+def slice_args(node: fx.Node) -> tuple[Any, Any, Any, Any, Any] | None:
+    """``(input, dim, start, end, step)`` of an ``aten::slice`` node, the defaults written
+    out as the op reads them (``None`` bounds: 0 and ``sys.maxsize``); None for other nodes
+    and for keyword arguments."""
+    if node.target is not torch.ops.aten.slice.Tensor or node.kwargs:
+        return None
+    base, dim, start, end, step = (*node.args, *(0, None, None, 1)[len(node.args) - 1:])
+    return (base, dim, 0 if start is None else start, sys.maxsize if end is None else end,
+            step)
 
 
 def _is_view(node: fx.Node) -> bool:

@@ -37,6 +37,8 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from ..graph.queries import slice_args
+
 __all__ = ["DropNoOpsPass"]
 
 _aten = torch.ops.aten
@@ -48,23 +50,15 @@ def _returned(node: fx.Node) -> bool:
 
 def _full_slice(node: fx.Node) -> fx.Node | None:
     """The input of ``node`` when it is a slice over the whole of its dimension."""
-    if node.target is not _aten.slice.Tensor or _returned(node):
+    args = slice_args(node)
+    if args is None or _returned(node):
         return None
-    args = list(node.args) + [None] * (5 - len(node.args))
-    base, dim, start, end, step = args[:5]
-    dim = node.kwargs.get("dim", 0 if dim is None else dim)
-    start = node.kwargs.get("start", start)
-    end = node.kwargs.get("end", end)
-    step = node.kwargs.get("step", 1 if step is None else step)
-    if not isinstance(base, fx.Node) or step != 1 or start not in (None, 0):
+    base, dim, start, end, step = args
+    if not isinstance(base, fx.Node) or step != 1 or start != 0 or not isinstance(end, int):
         return None
-    if end is None or (isinstance(end, int) and end >= sys.maxsize):
-        return base
     val = base.meta.get("val")
     size = val.shape[dim] if isinstance(val, torch.Tensor) and isinstance(dim, int) else None
-    if isinstance(end, int) and isinstance(size, int) and end >= size:
-        return base
-    return None
+    return base if end >= sys.maxsize or (isinstance(size, int) and end >= size) else None
 
 
 def _only_read(node: fx.Node) -> bool:

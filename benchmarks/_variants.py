@@ -134,8 +134,15 @@ def bitwise_equal(runs: dict[str, Callable[[], Any]]) -> str:
         return f"failed: {type(exc).__name__}"
 
 
-def _optimizer(params: list[nn.Parameter], kind: str) -> torch.optim.Optimizer:
-    return OPTIMIZERS[kind]([p for p in params if p.requires_grad], lr=LR)
+def bound_optimizer(name: str, module: nn.Module, kind: str, stack: contextlib.ExitStack
+                    ) -> torch.optim.Optimizer:
+    """An optimizer of ``kind`` over ``module``'s trainable parameters; for O2, the fp32
+    masters bound with :class:`amprewrite.MasterWeights` for as long as ``stack`` is open
+    (its steps refresh the stored low-precision copies)."""
+    optimizer = OPTIMIZERS[kind]([p for p in module.parameters() if p.requires_grad], lr=LR)
+    if name == "O2":
+        stack.callback(amprewrite.MasterWeights(module, optimizer).close)
+    return optimizer
 
 
 def phase_fns(phase: str, runs: dict[str, Callable[[], Any]], modules: dict[str, nn.Module],
@@ -147,13 +154,11 @@ def phase_fns(phase: str, runs: dict[str, Callable[[], Any]], modules: dict[str,
         return {name: _inference(run) for name, run in runs.items()}
     fns = {}
     for name, run in runs.items():
-        optimizer = _optimizer(list(modules[name].parameters()), opts.optimizer)
-        if name == "O2":
-            try:
-                stack.callback(amprewrite.MasterWeights(modules[name], optimizer).close)
-            except Exception as exc:
-                failed[name] = describe_error(exc)
-                continue
+        try:
+            optimizer = bound_optimizer(name, modules[name], opts.optimizer, stack)
+        except Exception as exc:
+            failed[name] = describe_error(exc)
+            continue
         fns[name] = _train_step(run, optimizer)
     return fns
 

@@ -1,0 +1,189 @@
+"""Where a training step's time goes: forward, backward and optimizer step, timed apart.
+
+``bench_speed.py`` times a whole training step; this splits it, for each variant, into the
+forward with the loss (under autocast for ``autocast``), ``loss.backward()``, and
+``optimizer.step()`` with ``zero_grad()`` (for O2 the step includes the refresh of the
+stored low-precision copies). The variants, optimizer and learning rate are those of
+``bench_speed.py``; the steps of all variants are interleaved, round by round in a rotated
+order, and each phase's ratio to autocast is the median over rounds of autocast's time for
+that phase divided by the variant's (above 1: faster than autocast).
+
+    python benchmarks/bench_phases.py --models launch --threads 1 --rounds 25
+    python benchmarks/bench_phases.py --models launch,gpt --size tiny --threads 1 \\
+        --markdown-section cpu-phases        # also (re)writes that block of BENCHMARKS.md
+    python benchmarks/bench_phases.py --device cuda --dtype fp16 --models launch,gpt
+
+On CUDA each phase ends with a synchronisation, so that a phase's kernels are charged to
+it; the step as a whole then loses the overlap of one phase's host work with the previous
+phase's kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import pathlib
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+from tabulate import tabulate
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from _models import MODEL_KEYS, SIZES, build_case, first_tensor  # noqa: E402
+from _speed_report import machine, write_markdown  # noqa: E402
+from _speed_types import CONVERTED, DTYPES, OPTIMIZERS, VARIANTS, Options  # noqa: E402
+from _timing import median, paired_ratio, sync  # noqa: E402
+from _variants import bound_optimizer, convert_variants, restored, runner  # noqa: E402
+
+PARTS = ("forward", "backward", "step")
+
+
+def _stepper(run: Callable[[], Any], optimizer: torch.optim.Optimizer, device: str
+             ) -> Callable[[list[float]], None]:
+    """One training step that adds the seconds of each of its parts to ``into``."""
+    def step(into: list[float]) -> None:
+        t0 = time.perf_counter()
+        loss = first_tensor(run()).float().square().mean()
+        sync(device)
+        t1 = time.perf_counter()
+        loss.backward()
+        sync(device)
+        t2 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync(device)
+        t3 = time.perf_counter()
+        into[0] += t1 - t0
+        into[1] += t2 - t1
+        into[2] += t3 - t2
+    return step
+
+
+def _rounds(steppers: dict[str, Callable[[list[float]], None]], rounds: int, steps: int
+            ) -> dict[str, list[list[float]]]:
+    """Per variant and round, the mean seconds of each part over ``steps`` steps."""
+    for step in steppers.values():  # warm-up: copies made, lazy state built
+        for _ in range(3):
+            step([0.0, 0.0, 0.0])
+    names = list(steppers)
+    samples: dict[str, list[list[float]]] = {n: [] for n in names}
+    gc.disable()  # a collection would charge its pause to whichever phase ran then
+    try:
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                total = [0.0, 0.0, 0.0]
+                for _ in range(steps):
+                    steppers[name](total)
+                samples[name].append([t / steps for t in total])
+    finally:
+        gc.enable()
+    return samples
+
+
+def _table(samples: dict[str, list[list[float]]]) -> str:
+    ref = samples.get("autocast")
+    rows = []
+    for name, rounds in samples.items():
+        parts = [[r[i] for r in rounds] for i in range(len(PARTS))] + [[sum(r) for r in rounds]]
+        cells = []
+        for i, values in enumerate(parts):
+            cell = f"{median(values) * 1e3:.3f}"
+            if ref is not None and name != "autocast":
+                ref_values = [sum(r) for r in ref] if i == len(PARTS) else [r[i] for r in ref]
+                cell += f" ({paired_ratio(ref_values, values):.2f}x)"
+            cells.append(cell)
+        rows.append([name, *cells])
+    return tabulate(rows, headers=["variant", *(f"{p}, ms" for p in PARTS), "step total, ms"],
+                    tablefmt="github")
+
+
+def measure(key: str, opts: Options, steps: int) -> list[str]:
+    """The phase table of model ``key`` at its first chosen shape, as markdown lines."""
+    case = build_case(key, opts.size, opts.device, quick=False, labels=opts.shapes)
+    shape = next(iter(case.shapes))
+    args, description = case.shapes[shape]
+    converted, _, errors = convert_variants(
+        case, args, [n for n in CONVERTED if n in opts.variants], opts)
+    modules = {n: case.model for n in ("fp32", "autocast") if n in opts.variants}
+    modules.update(converted)
+    lines = [f"### {case.name}, {description}", ""]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(restored(case.model))
+        steppers = {}
+        for name, module in modules.items():
+            run = runner(module, args, (opts.device, opts.dtype) if name == "autocast" else None)
+            optimizer = bound_optimizer(name, module, opts.optimizer, stack)
+            steppers[name] = _stepper(run, optimizer, opts.device)
+        samples = _rounds(steppers, opts.rounds, steps)
+    lines.append(_table(samples))
+    lines += [f"\n{name} failed: {error}" for name, error in errors.items()]
+    print("\n".join(lines) + "\n", flush=True)
+    return lines
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default=None, choices=tuple(DTYPES),
+                        help="low-precision dtype (default: bf16 on cpu, fp16 on cuda)")
+    parser.add_argument("--size", default="small", choices=SIZES)
+    parser.add_argument("--models", default="launch", help=f"any of {', '.join(MODEL_KEYS)}")
+    parser.add_argument("--variants", default="autocast,preset,default,O2",
+                        help=f"any of {', '.join(VARIANTS)} (autocast is always run)")
+    parser.add_argument("--shape", default=None,
+                        help="the shape label to run (default: each model's first)")
+    parser.add_argument("--optimizer", default="sgd", choices=tuple(OPTIMIZERS))
+    parser.add_argument("--rounds", type=int, default=25)
+    parser.add_argument("--steps", type=int, default=10, help="steps per variant per round")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--markdown-section", default=None, metavar="NAME",
+                        help="(re)write the <!-- NAME:begin/end --> block of BENCHMARKS.md")
+    return parser
+
+
+def _checked(text: str, allowed: tuple[str, ...], what: str, parser: argparse.ArgumentParser
+             ) -> list[str]:
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in allowed]
+    if unknown:
+        parser.error(f"--{what}: unknown {', '.join(unknown)}; expected any of "
+                     f"{', '.join(allowed)}")
+    return keys
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    variants = _checked(args.variants, VARIANTS, "variants", parser)
+    opts = Options(args.device, DTYPES[args.dtype or ("bf16" if args.device == "cpu" else "fp16")],
+                   args.size, _checked(args.models, MODEL_KEYS, "models", parser),
+                   sorted({"autocast", *variants}, key=VARIANTS.index),
+                   [args.shape] if args.shape else None, args.rounds, False, False,
+                   args.optimizer)
+    command = " ".join(["python benchmarks/bench_phases.py",
+                        *(argv if argv is not None else sys.argv[1:])])
+    print(f"Machine: {machine(opts.device)}\n", flush=True)
+    lines = []
+    for key in opts.models:
+        lines += measure(key, opts, args.steps) + [""]
+    if args.markdown_section:
+        block = [f"## A training step by phase against torch.autocast: {opts.device}, "
+                 f"{str(opts.dtype).removeprefix('torch.')}, {opts.size} sizes", "",
+                 f"Command: `{command}`  ", f"Machine: {machine(opts.device)}", "",
+                 __doc__.split("\n\n")[1].replace("\n", " "), "", *lines]
+        out = pathlib.Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
+        write_markdown(out, args.markdown_section, block[:-1] if not block[-1] else block)
+        print(f"wrote the '{args.markdown_section}' section of {out}")
+
+
+if __name__ == "__main__":
+    main()

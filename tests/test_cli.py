@@ -76,8 +76,7 @@ def test_demo() -> None:
     # cast where it is used), the attention's two matmuls too; its own softmax(dtype=float32)
     # kept
     assert "('model.lm_head.weight', torch.bfloat16)" in out
-    assert "model_lm_head_weight_bf16 = _amp_weight_cache.cast(model_lm_head_weight, " \
-        "torch.bfloat16)" in out
+    assert "model_lm_head_weight_bf16 = model_lm_head_weight.bfloat16()" in out
     assert re.search(r"torch\.softmax\(\w+, -1, torch\.float32\)", out)
     assert re.search(r"linear_\d+ +linear +lower +bf16 +bf16 +default table", out)
     assert re.search(r"\d+ op nodes: 10 bf16, \d+ f32, \d+ passthrough; casts: \d+ inserted", out)
@@ -131,7 +130,7 @@ def test_dtype_and_policy_flags(project: Path, capsys) -> None:
                  "autocast-cpu"]) == 0
     out = capsys.readouterr().out
     assert "policy: autocast('cpu'), low dtype f16" in out
-    assert "input_1_f16 = input_1.to(torch.float16)" in out
+    assert "input_1_f16 = input_1.half()" in out
     assert "softmax   softmax  passthrough  -      f16  not listed" in out   # CPU lists
 
 

@@ -133,3 +133,33 @@ def test_slices_are_generated_as_indexing() -> None:
             expected = model(x)
         with torch.no_grad():
             assert torch.equal(gm(x), expected)
+
+
+def test_casts_are_generated_as_the_dtype_method() -> None:
+    """``x.to(torch.bfloat16)`` is generated as ``x.bfloat16()`` (the same op, no overload
+    resolution); the graph keeps its ``to`` nodes, and values and gradients are the same."""
+    model, x = Block(), torch.randn(2, 8)
+    gm = amprewrite.convert(model, (x,), policy=amprewrite.Policy.autocast("cpu", torch.bfloat16))
+    assert "layer_norm_bf16 = layer_norm.bfloat16()" in gm.code and ".to(torch." not in gm.code
+    casts = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "to"]
+    assert [n.args[1] for n in casts] == [torch.bfloat16]
+
+    def run() -> tuple[torch.Tensor, ...]:
+        out = gm(x)
+        grads = torch.autograd.grad(out.float().square().sum(), list(model.parameters()))
+        return out.grad_fn.name(), out, *grads
+
+    fast = run()
+    gm.recompile()  # the plain code: x.to(torch.bfloat16)
+    assert "layer_norm.to(torch.bfloat16)" in gm.code
+    plain = run()
+    assert fast[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(fast[1:], plain[1:]))
+
+
+def test_a_cast_without_its_own_method_takes_to() -> None:
+    from amprewrite.runtime.functions import cast_to
+
+    x = torch.randn(3, requires_grad=True)
+    assert cast_to(x, torch.float16).grad_fn.name() == "ToCopyBackward0"
+    assert cast_to(x, torch.float32) is x  # already fp32: x itself, as x.to(torch.float32)
+    assert cast_to(x, torch.complex64).dtype == torch.complex64

@@ -29,7 +29,14 @@ dispatches exactly the ATen ops the ``OpOverload`` dispatches, with the same arg
 (composite ops included: their decompositions are compared), and returns the same structure
 (a list and a tuple count as one where the graph only indexes the result: ``aten::split``
 gives a list, ``Tensor.split`` a tuple). The proof is cached by op and argument types.
-``aten::slice`` is generated as indexing (``x[..., 0:4]``, see :class:`_Index`). Nodes
+``aten::slice`` is generated as indexing (``x[..., 0:4]``, see :class:`_Index`).
+
+**Casts.** A cast node ``x.to(torch.bfloat16)`` is generated as ``x.bfloat16()``: the same
+op, without the overload resolution of ``Tensor.to`` (:data:`CAST_METHODS`). So is a
+parameter cast, ``_amp_weight_cache.cast(w, torch.bfloat16)``, where the forward's weight
+read already handed over the cached copy (:mod:`amprewrite.runtime.weight_table`): the
+method returns a tensor already in its dtype as it is, and a parameter that needs a
+gradient is cast where it is used, with autograd, as the cache's ``cast`` would. Nodes
 without example values (symbolic capture without inputs), mutating ops and ops of other
 namespaces keep their ``OpOverload``.
 """
@@ -46,6 +53,9 @@ import torch.fx as fx
 from torch.fx.node import map_aggregate
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..runtime.functions import CAST_METHODS
+from ..runtime.weight_cache import CACHE_ATTR
+from ..runtime.weight_table import handed_cast_dtype
 from .fake import graph_fake_mode
 from .queries import slice_args
 
@@ -116,6 +126,11 @@ def recompile_with_bindings(gm: fx.GraphModule) -> fx.GraphModule:
     swapped: list[tuple[fx.Node, str, Any, tuple, dict]] = []
     mode = graph_fake_mode(gm)
     for node in gm.graph.nodes:
+        cast = _cast_method(node)
+        if cast is not None:
+            swapped.append((node, node.op, node.target, node.args, node.kwargs))
+            node.target, node.args = cast[0], (cast[1],)
+            continue
         binding = _binding_for(node, mode)
         if binding is not None:
             swapped.append((node, node.op, node.target, node.args, node.kwargs))
@@ -133,6 +148,25 @@ def recompile_with_bindings(gm: fx.GraphModule) -> fx.GraphModule:
         for node, op, target, args, kwargs in swapped:  # the graph keeps its OpOverloads
             node.op, node.target, node.args, node.kwargs = op, target, args, kwargs
     return gm
+
+
+def _cast_method(node: fx.Node) -> tuple[str, fx.Node] | None:
+    """The dtype's own method and its input, for a cast node generated as that method call:
+    ``x.to(dtype)``, and a parameter cast ``_amp_weight_cache.cast(w, dtype)`` of a weight
+    that the forward's read hands over as the cached copy where the cast needs no gradient
+    (``w.bfloat16()`` then returns that copy, and casts with autograd where it is needed)."""
+    if node.op != "call_method" or node.kwargs:
+        return None
+    if node.target == "to" and len(node.args) == 2 and isinstance(node.args[1], torch.dtype):
+        x, dtype = node.args
+    elif node.target == "cast" and len(node.args) == 3 and \
+            getattr(node.args[0], "target", None) == CACHE_ATTR and \
+            handed_cast_dtype(node.args[1]) is node.args[2]:
+        _, x, dtype = node.args
+    else:
+        return None
+    method = CAST_METHODS.get(dtype)
+    return None if method is None else (method, x)
 
 
 def _binding_for(node: fx.Node, mode: Any) -> Callable[..., Any] | None:

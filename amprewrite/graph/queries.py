@@ -16,12 +16,11 @@ import torch
 import torch.fx as fx
 
 from ..policy.opkey import is_inplace
-from ..runtime.functions import guarded_cast
+from ..runtime.functions import CAST_METHODS, guarded_cast
 
 __all__ = ["cast_source", "mutated", "module_paths", "slice_args"]
 
-_METHOD_CASTS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
-                 "double": torch.float64}
+_METHOD_CASTS = {name: dtype for dtype, name in CAST_METHODS.items()}
 
 
 def cast_source(node: fx.Node) -> tuple[fx.Node, torch.dtype] | None:

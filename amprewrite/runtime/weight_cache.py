@@ -2,10 +2,11 @@
 
 Every cast of a parameter or buffer in a converted graph is a call of
 ``WeightCastCache.cast`` where the weight is used (``_amp_weight_cache.cast(l_weight,
-torch.bfloat16)`` in ``gm.code``). When autograd needs the cast (grad mode on and the weight
-requires grad) it is a plain ``weight.to(dtype)``, so gradients flow to the fp32 master
-weight. Otherwise (``torch.no_grad``, ``torch.inference_mode``, frozen weights) the
-low-precision copy is made once and reused until the weight changes, then refreshed:
+torch.bfloat16)`` in the graph). When autograd needs the cast (grad mode on and the weight
+requires grad) it is a plain cast (``weight.bfloat16()``: ``weight.to(dtype)`` without
+parsing its overloads), so gradients flow to the fp32 master weight. Otherwise
+(``torch.no_grad``, ``torch.inference_mode``, frozen weights) the low-precision copy is made
+once and reused until the weight changes, then refreshed:
 
 * an in-place update (optimizer step, ``load_state_dict``, ``p.copy_`` under ``no_grad``)
   bumps ``weight._version``;
@@ -16,7 +17,9 @@ low-precision copy is made once and reused until the weight changes, then refres
 A forward in inference therefore casts no weights. The cache lookups of all the weights of a
 forward are made together, by its weight read (:meth:`WeightCastCache.lookup_many`, called by
 :mod:`.weight_table`), which hands each cast the copy it would return: ``cast`` of a weight
-already in ``dtype`` returns it.
+already in ``dtype`` returns it. The generated code therefore calls a cast of a weight read that
+way as the dtype's method (``l_weight.bfloat16()``, :mod:`amprewrite.graph.codegen`), which
+does the same: returns the handed copy, or casts with autograd.
 
 NB: ``p.data.copy_(t)`` writes through a tensor whose version counter is not ``p``'s, so no
 check short of reading the values can see it (torch.autocast's cache has the same blind spot).
@@ -35,6 +38,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+from .functions import cast_to
 
 __all__ = ["WeightCastCache", "CACHE_ATTR", "clear_weight_cache"]
 
@@ -74,7 +79,7 @@ class WeightCastCache:
         if weight.dtype is dtype:
             return weight
         if (weight.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
-            return weight.to(dtype)
+            return cast_to(weight, dtype)
         key = (id(weight), dtype)
         entry = self._entries.get(key)
         if entry is not None and entry.weight() is weight and \

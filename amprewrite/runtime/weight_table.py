@@ -11,6 +11,8 @@ and casts each parameter where it is used::
 
     b_0_l_weight_bf16 = _amp_weight_cache.cast(b_0_l_weight, torch.bfloat16)
 
+(generated as ``b_0_l_weight.bfloat16()``, the same thing here, :func:`handed_cast_dtype`).
+
 :class:`WeightTable` is the ``_amp_weights`` object: it reads each tensor through two dict
 lookups, looks up the cached copies of the parameter casts in batches (so that in inference
 each ``cast`` returns the copy it is handed, :mod:`.weight_cache`) and reads O2's stored copies
@@ -37,8 +39,9 @@ from ..errors import AmpRewriteError
 from .low_copies import LOW_COPIES_ATTR, LowPrecisionCopies
 from .weight_cache import WeightCastCache
 
-__all__ = ["WeightTable", "WEIGHTS_ATTR", "LOW_COPY", "is_fetch", "read_name",
-           "gathered_cast_dtype", "entry_nodes", "ungather_weights", "owner_node"]
+__all__ = ["WeightTable", "WEIGHTS_ATTR", "LOW_COPY", "is_fetch", "fetched_entry", "read_name",
+           "gathered_cast_dtype", "handed_cast_dtype", "entry_nodes", "ungather_weights",
+           "owner_node"]
 
 WEIGHTS_ATTR = "_amp_weights"
 
@@ -114,28 +117,37 @@ def _read(slot: tuple[Any, str, nn.Module]) -> torch.Tensor:
     return value if value is not None else getattr(owner, attr)
 
 
+def fetched_entry(node: Any) -> tuple[Any, ...] | None:
+    """The table entry that a ``weights[i]`` item of the forward's weight read hands over,
+    else None (other nodes)."""
+    if isinstance(node, fx.Node) and node.op == "call_function" and \
+            node.target is operator.getitem and isinstance(node.args[0], fx.Node) and \
+            is_fetch(node.args[0]):
+        return node.args[0].args[1 + node.args[1]]
+    return None
+
+
 def read_name(node: Any) -> str | None:
     """The qualified name of the tensor ``node`` reads as stored (a ``get_attr``, or a
     ``weights[i]`` item of a plain entry), else None."""
-    if not isinstance(node, fx.Node):
-        return None
-    if node.op == "get_attr":
+    if isinstance(node, fx.Node) and node.op == "get_attr":
         return str(node.target)
-    if node.op == "call_function" and node.target is operator.getitem and \
-            isinstance(node.args[0], fx.Node) and is_fetch(node.args[0]):
-        entry = node.args[0].args[1 + node.args[1]]
-        return entry[0] if len(entry) == 1 else None
-    return None
+    entry = fetched_entry(node)
+    return entry[0] if entry is not None and len(entry) == 1 else None
 
 
 def gathered_cast_dtype(node: Any) -> torch.dtype | None:
     """The dtype of an O2 low copy's ``weights[i]`` item, None for other nodes."""
-    if isinstance(node, fx.Node) and node.op == "call_function" and \
-            node.target is operator.getitem and isinstance(node.args[0], fx.Node) and \
-            is_fetch(node.args[0]):
-        entry = node.args[0].args[1 + node.args[1]]
-        return entry[1] if len(entry) == 3 else None
-    return None
+    entry = fetched_entry(node)
+    return entry[1] if entry is not None and len(entry) == 3 else None
+
+
+def handed_cast_dtype(node: Any) -> torch.dtype | None:
+    """The dtype of a parameter cast's ``weights[i]`` item (a ``(name, dtype)`` entry: the
+    read hands over the cached copy in ``dtype`` where the cast needs no gradient), None for
+    other nodes."""
+    entry = fetched_entry(node)
+    return entry[1] if entry is not None and len(entry) == 2 else None
 
 
 def entry_nodes(gm: fx.GraphModule) -> dict[str, str]:

@@ -4,6 +4,7 @@ the graph keeps its OpOverloads."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -11,6 +12,7 @@ import torch.nn as nn
 
 import amprewrite
 from amprewrite.graph.codegen import recompile_with_bindings
+from amprewrite.runtime.functions import cast_to
 
 
 class Block(nn.Module):
@@ -157,9 +159,51 @@ def test_casts_are_generated_as_the_dtype_method() -> None:
 
 
 def test_a_cast_without_its_own_method_takes_to() -> None:
-    from amprewrite.runtime.functions import cast_to
-
     x = torch.randn(3, requires_grad=True)
     assert cast_to(x, torch.float16).grad_fn.name() == "ToCopyBackward0"
     assert cast_to(x, torch.float32) is x  # already fp32: x itself, as x.to(torch.float32)
     assert cast_to(x, torch.complex64).dtype == torch.complex64
+
+
+class _Batch:
+    """A user's batch class: has ``.to(dtype)`` but no ``.half()``."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+    def to(self, dtype: torch.dtype) -> "_Batch":
+        return _Batch(self.x.to(dtype))
+
+
+class _TakesBatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.fc(batch.to(torch.float16).x.float()).to(torch.float16).float()
+
+
+class _UserCast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).to(torch.float16) * 2
+
+
+def test_only_tensor_casts_take_the_dtype_method() -> None:
+    """A user's cast of a tensor (``aten.to.dtype``) is generated as ``.half()``, the op both
+    dispatch; ``.to(dtype)`` of an object the capture knows nothing of stays ``.to``."""
+    x = torch.randn(2, 4)
+    exported = amprewrite.convert(_UserCast(), (x,), dtype=torch.bfloat16)  # bf16 -> fp16
+    assert torch.ops.aten.to.dtype in {n.target for n in exported.graph.nodes}
+    assert re.search(r"= linear\.half\(\)", exported.code)
+    symbolic = amprewrite.convert(_TakesBatch(), dtype=torch.float16)
+    assert "batch.to(torch.float16)" in symbolic.code
+    for gm, args in ((exported, (x,)), (symbolic, (_Batch(x),))):
+        fast = gm(*args)
+        gm.recompile()  # the plain code
+        assert torch.equal(gm(*args), fast)
+    assert exported(x).dtype == torch.float16

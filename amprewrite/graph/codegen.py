@@ -129,7 +129,7 @@ def recompile_with_bindings(gm: fx.GraphModule) -> fx.GraphModule:
         cast = _cast_method(node)
         if cast is not None:
             swapped.append((node, node.op, node.target, node.args, node.kwargs))
-            node.target, node.args = cast[0], (cast[1],)
+            node.op, node.target, node.args = "call_method", cast[0], (cast[1],)
             continue
         binding = _binding_for(node, mode)
         if binding is not None:
@@ -152,14 +152,21 @@ def recompile_with_bindings(gm: fx.GraphModule) -> fx.GraphModule:
 
 def _cast_method(node: fx.Node) -> tuple[str, fx.Node] | None:
     """The dtype's own method and its input, for a cast node generated as that method call:
-    ``x.to(dtype)``, and a parameter cast ``_amp_weight_cache.cast(w, dtype)`` of a weight
-    that the forward's read hands over as the cached copy where the cast needs no gradient
-    (``w.bfloat16()`` then returns that copy, and casts with autograd where it is needed)."""
-    if node.op != "call_method" or node.kwargs:
+    a cast of a tensor to a dtype, ``x.to(dtype)`` or ``aten.to.dtype(x, dtype)`` (what
+    ``x.to(dtype)`` and ``x.bfloat16()`` both dispatch), and a parameter cast
+    ``_amp_weight_cache.cast(w, dtype)`` of a weight that the forward's read hands over as
+    the cached copy where the cast needs no gradient (``w.bfloat16()`` then returns that
+    copy, and casts with autograd where it is needed)."""
+    if node.kwargs or len(node.args) < 2 or not isinstance(node.args[-1], torch.dtype):
         return None
-    if node.target == "to" and len(node.args) == 2 and isinstance(node.args[1], torch.dtype):
+    if (node.op == "call_method" and node.target == "to"
+            or node.op == "call_function" and node.target is torch.ops.aten.to.dtype) and \
+            len(node.args) == 2 and isinstance(node.args[0], fx.Node) and \
+            isinstance(node.args[0].meta.get("val"), torch.Tensor):
+        # NB: only for a known tensor: symbolic capture records ``.to(dtype)`` of any object
+        # that has one (a user's batch class), which need not have ``.bfloat16()``.
         x, dtype = node.args
-    elif node.target == "cast" and len(node.args) == 3 and \
+    elif node.op == "call_method" and node.target == "cast" and len(node.args) == 3 and \
             getattr(node.args[0], "target", None) == CACHE_ATTR and \
             handed_cast_dtype(node.args[1]) is node.args[2]:
         _, x, dtype = node.args

@@ -1,0 +1,93 @@
+"""Host cost of single calls that a converted forward or training step makes, in µs.
+
+The per-call numbers that BENCHMARKS.md quotes for choices of the generated code and of O2's
+refresh, measured with ``timeit`` (best of ``--repeat`` runs of ``--number`` calls), one
+torch thread:
+
+* a cast through ``Tensor.to`` against the dtype's own method (``x.bfloat16()``), for a
+  weight that requires grad in grad mode and for a tensor without autograd;
+* an ATen op through its ``OpOverload`` (``torch.ops.aten.layer_norm.default``) against the
+  Python binding eager code calls (``torch.layer_norm``);
+* O2's refresh of the stored low-precision copies of the launch-bound model (100 copies):
+  ``LowPrecisionCopies.refresh`` whole, and the ``torch._foreach_copy_`` inside it alone.
+
+    python benchmarks/bench_calls.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import pathlib
+import sys
+import timeit
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from _models import LaunchBound  # noqa: E402
+from _speed_report import machine  # noqa: E402
+
+import amprewrite  # noqa: E402
+from amprewrite.training.optimizers import held_tensors  # noqa: E402
+
+
+def _us(stmt: str, env: dict[str, Any], number: int, repeat: int) -> float:
+    return min(timeit.repeat(stmt, globals=env, number=number, repeat=repeat)) / number * 1e6
+
+
+def _refresh_env() -> dict[str, Any]:
+    """O2's store of the launch-bound model, its copies made, bound to an SGD optimizer."""
+    model, x = LaunchBound(), torch.randn(2, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the no-fast-bf16 warning of CPUs without AMX
+        gm = amprewrite.convert(copy.deepcopy(model), (x,), opt_level="O2")
+    optimizer = torch.optim.SGD(gm.parameters(), lr=1e-6)
+    amprewrite.MasterWeights(gm, optimizer)
+    gm(x)
+    store = gm._amp_low_copies
+    pairs = store.copies()
+    return {"store": store, "masters": held_tensors([optimizer]), "torch": torch,
+            "copies": [c for _, c in pairs], "sources": [m for m, _ in pairs]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--number", type=int, default=2000)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    bf16 = torch.bfloat16
+    w = torch.randn(8, 8, requires_grad=True)
+    x, lw, lb = torch.randn(2, 8), torch.ones(8), torch.zeros(8)
+    env = {"w": w, "x": x, "lw": lw, "lb": lb, "bf16": bf16, "torch": torch, "F": F}
+    rows = [
+        ("weight cast, grad mode", "w.to(bf16)", "w.bfloat16()"),
+        ("activation cast, no autograd", "x.to(bf16)", "x.bfloat16()"),
+        ("layer_norm", "torch.ops.aten.layer_norm.default(x, [8], lw, lb, 1e-5, False)",
+         "torch.layer_norm(x, [8], lw, lb, 1e-5, False)"),
+        ("add", "torch.ops.aten.add.Tensor(x, x)", "torch.add(x, x)"),
+    ]
+    print(f"Machine: {machine('cpu')}\n")
+    print("| call | slow form | µs | fast form | µs |")
+    print("|---|---|---:|---|---:|")
+    for what, slow, fast in rows:
+        print(f"| {what} | `{slow}` | {_us(slow, env, args.number, args.repeat):.2f} | "
+              f"`{fast}` | {_us(fast, env, args.number, args.repeat):.2f} |")
+    refresh = _refresh_env()
+    n = len(refresh["copies"])
+    whole = _us("store.refresh(masters)", refresh, args.number // 10, args.repeat)
+    with torch.no_grad():
+        alone = _us("torch._foreach_copy_(copies, sources)", refresh, args.number // 10,
+                    args.repeat)
+    print(f"\nO2 refresh of {n} copies (launch-bound model): {whole:.0f} µs, of which "
+          f"_foreach_copy_ {alone:.0f} µs")
+
+
+if __name__ == "__main__":
+    main()

@@ -105,6 +105,9 @@ def _table(samples: dict[str, list[list[float]]]) -> str:
 def measure(key: str, opts: Options, steps: int) -> list[str]:
     """The phase table of model ``key`` at its first chosen shape, as markdown lines."""
     case = build_case(key, opts.size, opts.device, quick=False, labels=opts.shapes)
+    if not case.shapes:
+        raise SystemExit(f"bench_phases: {case.name} has no shape {opts.shapes[0]!r} at size "
+                         f"{opts.size!r}; leave --shape out to run its first shape")
     shape = next(iter(case.shapes))
     args, description = case.shapes[shape]
     converted, _, errors = convert_variants(

@@ -29,16 +29,16 @@ dispatches exactly the ATen ops the ``OpOverload`` dispatches, with the same arg
 (composite ops included: their decompositions are compared), and returns the same structure
 (a list and a tuple count as one where the graph only indexes the result: ``aten::split``
 gives a list, ``Tensor.split`` a tuple). The proof is cached by op and argument types.
-``aten::slice`` is generated as indexing (``x[..., 0:4]``, see :class:`_Index`).
+``aten::slice`` is generated as indexing (``x[..., 0:4]``, see :class:`_Index`). Nodes
+without example values (symbolic capture without inputs), mutating ops and ops of other
+namespaces keep their ``OpOverload``.
 
 **Casts.** A cast node ``x.to(torch.bfloat16)`` is generated as ``x.bfloat16()``: the same
 op, without the overload resolution of ``Tensor.to`` (:data:`CAST_METHODS`). So is a
 parameter cast, ``_amp_weight_cache.cast(w, torch.bfloat16)``, where the forward's weight
 read already handed over the cached copy (:mod:`amprewrite.runtime.weight_table`): the
 method returns a tensor already in its dtype as it is, and a parameter that needs a
-gradient is cast where it is used, with autograd, as the cache's ``cast`` would. Nodes
-without example values (symbolic capture without inputs), mutating ops and ops of other
-namespaces keep their ``OpOverload``.
+gradient is cast where it is used, with autograd, as the cache's ``cast`` would.
 """
 
 from __future__ import annotations

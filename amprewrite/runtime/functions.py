@@ -18,11 +18,11 @@ CAST_METHODS = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "
                 torch.float64: "double"}
 """The Tensor method that casts to each floating dtype without arguments to parse.
 
-``x.bfloat16()`` runs what ``x.to(torch.bfloat16)`` runs (``aten::_to_copy``, or ``x`` itself
-when already bf16; the same autograd node) but skips the overload resolution of ``Tensor.to``:
-on CPU, torch 2.13, 2.6 against 4.1 µs for a weight that requires grad, 1.8 against 3.1 µs
-without autograd. A forward casts every weight in training, so that is 5-10% of a
-launch-bound forward."""
+``x.bfloat16()`` runs what ``x.to(torch.bfloat16)`` runs (``aten::to.dtype``: a copy made by
+``_to_copy``, or ``x`` itself when already bf16; the same autograd node) but skips the
+overload resolution of ``Tensor.to``: on CPU, torch 2.13, 2.6 against 4.2 µs for a weight that
+requires grad, 1.8 against 3.1 µs without autograd (``benchmarks/bench_calls.py``). A forward
+casts every weight in training, so that is 5-10% of a launch-bound forward."""
 
 _CAST_FUNCTIONS = {dtype: getattr(torch.Tensor, name) for dtype, name in CAST_METHODS.items()}
 

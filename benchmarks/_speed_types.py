@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from typing import Callable
 
@@ -17,6 +18,17 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
 LR = 1e-6
 PHASES = ("inference", "train step")
+
+
+def key_list(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    """A comma-separated command-line list of ``allowed`` keys (an argparse ``type``)."""
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in allowed]
+    if unknown or not keys:
+        raise argparse.ArgumentTypeError(
+            f"unknown {what} {', '.join(unknown) or '(none given)'}; choose from "
+            f"{', '.join(allowed)}")
+    return list(dict.fromkeys(keys))  # in the order given, once each
 
 
 @dataclasses.dataclass

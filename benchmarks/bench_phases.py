@@ -36,7 +36,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from _models import MODEL_KEYS, SIZES, build_case, first_tensor  # noqa: E402
 from _speed_report import machine, write_markdown  # noqa: E402
-from _speed_types import CONVERTED, DTYPES, OPTIMIZERS, VARIANTS, Options  # noqa: E402
+from _speed_types import (  # noqa: E402
+    CONVERTED,
+    DTYPES,
+    OPTIMIZERS,
+    VARIANTS,
+    Options,
+    key_list,
+)
 from _timing import median, paired_ratio, sync  # noqa: E402
 from _variants import bound_optimizer, convert_variants, restored, runner  # noqa: E402
 
@@ -85,18 +92,18 @@ def _rounds(steppers: dict[str, Callable[[list[float]], None]], rounds: int, ste
     return samples
 
 
+def _columns(rounds: list[list[float]]) -> list[list[float]]:
+    """Per part, then for the whole step, the seconds of each round."""
+    return [[r[i] for r in rounds] for i in range(len(PARTS))] + [[sum(r) for r in rounds]]
+
+
 def _table(samples: dict[str, list[list[float]]]) -> str:
-    ref = samples.get("autocast")
+    ref = _columns(samples["autocast"])
     rows = []
     for name, rounds in samples.items():
-        parts = [[r[i] for r in rounds] for i in range(len(PARTS))] + [[sum(r) for r in rounds]]
-        cells = []
-        for i, values in enumerate(parts):
-            cell = f"{median(values) * 1e3:.3f}"
-            if ref is not None and name != "autocast":
-                ref_values = [sum(r) for r in ref] if i == len(PARTS) else [r[i] for r in ref]
-                cell += f" ({paired_ratio(ref_values, values):.2f}x)"
-            cells.append(cell)
+        cells = [f"{median(values) * 1e3:.3f}" +
+                 ("" if name == "autocast" else f" ({paired_ratio(ref_values, values):.2f}x)")
+                 for values, ref_values in zip(_columns(rounds), ref)]
         rows.append([name, *cells])
     return tabulate(rows, headers=["variant", *(f"{p}, ms" for p in PARTS), "step total, ms"],
                     tablefmt="github")
@@ -135,8 +142,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None, choices=tuple(DTYPES),
                         help="low-precision dtype (default: bf16 on cpu, fp16 on cuda)")
     parser.add_argument("--size", default="small", choices=SIZES)
-    parser.add_argument("--models", default="launch", help=f"any of {', '.join(MODEL_KEYS)}")
-    parser.add_argument("--variants", default="autocast,preset,default,O2",
+    parser.add_argument("--models", default=["launch"],
+                        type=lambda t: key_list(t, MODEL_KEYS, "model"),
+                        help=f"any of {', '.join(MODEL_KEYS)}")
+    parser.add_argument("--variants", default=["autocast", "preset", "default", "O2"],
+                        type=lambda t: key_list(t, VARIANTS, "variant"),
                         help=f"any of {', '.join(VARIANTS)} (autocast is always run)")
     parser.add_argument("--shape", default=None,
                         help="the shape label to run (default: each model's first)")
@@ -149,16 +159,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _checked(text: str, allowed: tuple[str, ...], what: str, parser: argparse.ArgumentParser
-             ) -> list[str]:
-    keys = [k.strip() for k in text.split(",") if k.strip()]
-    unknown = [k for k in keys if k not in allowed]
-    if unknown:
-        parser.error(f"--{what}: unknown {', '.join(unknown)}; expected any of "
-                     f"{', '.join(allowed)}")
-    return keys
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -166,10 +166,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--device cuda: torch sees no CUDA device")
     if args.threads:
         torch.set_num_threads(args.threads)
-    variants = _checked(args.variants, VARIANTS, "variants", parser)
     opts = Options(args.device, DTYPES[args.dtype or ("bf16" if args.device == "cpu" else "fp16")],
-                   args.size, _checked(args.models, MODEL_KEYS, "models", parser),
-                   sorted({"autocast", *variants}, key=VARIANTS.index),
+                   args.size, args.models,
+                   sorted({"autocast", *args.variants}, key=VARIANTS.index),
                    [args.shape] if args.shape else None, args.rounds, False, False,
                    args.optimizer)
     command = " ".join(["python benchmarks/bench_phases.py",

@@ -73,6 +73,7 @@ from _speed_types import (  # noqa: E402
     PHASES,
     VARIANTS,
     ConvertTime,
+    key_list,
     Options,
     Report,
     Row,
@@ -271,16 +272,6 @@ def run(opts: Options, budget: Budget, report: Report) -> None:
         recover(opts.device)
 
 
-def _keys(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
-    keys = [k.strip() for k in text.split(",") if k.strip()]
-    unknown = [k for k in keys if k not in allowed]
-    if unknown or not keys:
-        raise argparse.ArgumentTypeError(
-            f"unknown {what} {', '.join(unknown) or '(none given)'}; choose from "
-            f"{', '.join(allowed)}")
-    return list(dict.fromkeys(keys))  # in the order given, once each
-
-
 def _parser() -> argparse.ArgumentParser:
     # The docstring's title, usage lines and variants.
     parser = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:3]),
@@ -296,17 +287,17 @@ def _parser() -> argparse.ArgumentParser:
                         "tiny: 4-layer d32 transformers on 8 and 2x16 tokens, MLP 4x64, CNN "
                         "8ch at 16px, where per-op host overhead decides (default: small)")
     parser.add_argument("--models", default=",".join(MODEL_KEYS),
-                        type=lambda t: _keys(t, MODEL_KEYS, "model"),
+                        type=lambda t: key_list(t, MODEL_KEYS, "model"),
                         help="comma-separated model keys: launch (50 tiny LN+Linear blocks, "
                         "batch 2: per-op overhead), mlp, cnn, gpt (a GPT stack), bert, gpt2 and llama "
                         "(HF transformers), run in the order given (default: all)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
-                        type=lambda t: _keys(t, VARIANTS, "variant"),
+                        type=lambda t: key_list(t, VARIANTS, "variant"),
                         help="comma-separated variants to run; autocast, the reference of "
                         "every ratio, is always run; default: all of "
                         f"{','.join(VARIANTS)}")
     parser.add_argument("--shapes", default=None,
-                        type=lambda t: _keys(t, SHAPE_LABELS, "shape"),
+                        type=lambda t: key_list(t, SHAPE_LABELS, "shape"),
                         help="comma-separated shape labels to run: single (one request), "
                         "serving (a small batch), large (a larger batch; small size only), "
                         "batch (the realistic size's 8x512 batch and the launch model's "

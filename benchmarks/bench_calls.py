@@ -8,6 +8,8 @@ torch thread:
   weight that requires grad in grad mode and for a tensor without autograd;
 * an ATen op through its ``OpOverload`` (``torch.ops.aten.layer_norm.default``) against the
   Python binding eager code calls (``torch.layer_norm``);
+* the weight read that starts a converted forward of the launch-bound model (200 tensors,
+  100 of them handed over as cached bf16 copies in inference), in inference and grad mode;
 * O2's refresh of the stored low-precision copies of the launch-bound model (100 copies):
   ``LowPrecisionCopies.refresh`` whole, and the ``torch._foreach_copy_`` inside it alone.
 
@@ -56,6 +58,18 @@ def _refresh_env() -> dict[str, Any]:
             "copies": [c for _, c in pairs], "sources": [m for m, _ in pairs]}
 
 
+def _fetch_env() -> dict[str, Any]:
+    """The weight read of the launch-bound model converted with autocast's CPU rules."""
+    model, x = LaunchBound(), torch.randn(2, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = amprewrite.convert(model, (x,), policy=amprewrite.Policy.autocast("cpu"))
+    with torch.no_grad():
+        gm(x)  # the copies made
+    return {"table": gm._amp_weights, "entries": gm._amp_weights.entries,
+            "cache": gm._amp_weight_cache}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--number", type=int, default=2000)
@@ -79,13 +93,19 @@ def main(argv: list[str] | None = None) -> None:
     for what, slow, fast in rows:
         print(f"| {what} | `{slow}` | {_us(slow, env, args.number, args.repeat):.2f} | "
               f"`{fast}` | {_us(fast, env, args.number, args.repeat):.2f} |")
+    fetch, read = _fetch_env(), "table.fetch(*entries, cache=cache)"
+    with torch.no_grad():
+        inference = _us(read, fetch, args.number, args.repeat)
+    print(f"\nWeight read of the launch-bound model ({len(fetch['entries'])} tensors): "
+          f"{inference:.0f} µs in inference, "
+          f"{_us(read, fetch, args.number, args.repeat):.0f} µs in grad mode")
     refresh = _refresh_env()
     n = len(refresh["copies"])
     whole = _us("store.refresh(masters)", refresh, args.number // 10, args.repeat)
     with torch.no_grad():
         alone = _us("torch._foreach_copy_(copies, sources)", refresh, args.number // 10,
                     args.repeat)
-    print(f"\nO2 refresh of {n} copies (launch-bound model): {whole:.0f} µs, of which "
+    print(f"O2 refresh of {n} copies (launch-bound model): {whole:.0f} µs, of which "
           f"_foreach_copy_ {alone:.0f} µs")
 
 

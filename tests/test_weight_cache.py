@@ -294,3 +294,48 @@ def test_inference_tensor_weights_are_cast_each_time() -> None:
         assert weight_casts(model, lambda: gm(x)) == 4  # no version counter: never cached
         model[0].weight.add_(1)
         assert torch.equal(gm(x), autocast_out(model, x))
+
+
+class _CountingDict(dict):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.gets = 0
+
+    def get(self, *args: Any) -> Any:
+        self.gets += 1
+        return super().get(*args)
+
+
+def test_unchanged_weights_get_the_copies_handed_last_time() -> None:
+    """A second inference lookup of unchanged weights hands the same copies without a lookup
+    per weight; an in-place update, new storage or a weight's death makes it look again."""
+    cache = WeightCastCache()
+    ws = [torch.randn(4, 4) for _ in range(3)]
+    with torch.no_grad():
+        first = cache.lookup_many(ws, bf16)
+        cache._entries = _CountingDict(cache._entries)
+        assert all(a is b for a, b in zip(cache.lookup_many(ws, bf16), first))
+        assert cache._entries.gets == 0
+        ws[1].add_(1)  # in place: version moves
+        assert torch.equal(cache.lookup_many(ws, bf16)[1], ws[1].to(bf16))
+        ws[2].data = torch.randn(4, 4)  # new storage
+        assert torch.equal(cache.lookup_many(ws, bf16)[2], ws[2].to(bf16))
+        generation = cache._generation
+        del ws[0]  # dies: its id may go to the next tensor, which must not get its copy
+        ws.insert(0, torch.randn(4, 4))
+        assert cache._generation > generation
+        assert torch.equal(cache.lookup_many(ws, bf16)[0], ws[0].to(bf16))
+
+
+def test_handed_copies_are_not_kept_for_weights_already_low_or_inference_tensors() -> None:
+    cache = WeightCastCache()
+    low = torch.randn(4, 4, dtype=bf16)
+    with torch.no_grad():
+        assert cache.lookup_many([torch.randn(4, 4), low], bf16)[1] is low
+    assert not cache._handed  # the record would hold ``low`` alive
+    with torch.inference_mode():
+        w = torch.randn(4, 4)
+        cache.lookup_many([w], bf16)
+        assert not cache._handed  # no version counter to check it against
+        w.add_(1)
+        assert torch.equal(cache.lookup_many([w], bf16)[0], w.to(bf16))

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import amprewrite
 from amprewrite import AmpRewriteError, Policy
 from amprewrite.graph.meta import cast_info
-from amprewrite.runtime.low_copies import LOW_COPIES_ATTR
+from amprewrite.runtime.low_copies import LOW_COPIES_ATTR, LowPrecisionCopies
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -138,6 +138,21 @@ def test_o2_forward_with_grad_needs_bound_optimizer() -> None:
         gm(X)
     with torch.no_grad():
         gm(X)  # inference needs no optimizer
+
+
+def test_o2_store_hands_masters_already_low_as_they_are() -> None:
+    """A master already in the low dtype is its own copy: never stored, and no reason for the
+    unbound-optimizer error (nothing would go stale)."""
+    store = LowPrecisionCopies()
+    low = torch.randn(3, dtype=torch.bfloat16, requires_grad=True)
+    high = torch.randn(3, requires_grad=True)
+    assert store.get_many([low], torch.bfloat16)[0] is low  # unbound, grad mode: no error
+    with pytest.raises(AmpRewriteError, match="no optimizer is bound"):
+        store.get_many([low, high], torch.bfloat16)
+    store.bindings = 1
+    got = store.get_many([low, high], torch.bfloat16)
+    assert got[0] is low and torch.equal(got[1], high.bfloat16())
+    assert [m is high for m, _ in store.copies()] == [True]
 
 
 def test_o2_copies_follow_fused_steps_and_loads() -> None:

@@ -75,6 +75,14 @@ def _tracing(master: torch.Tensor) -> bool:
     return get_proxy_mode() is not None or torch._guards.detect_fake_mode() is not None
 
 
+_UNBOUND = (
+    "an opt_level='O2' module ran a forward that needs gradients, but no optimizer is bound to "
+    "its fp32 master weights, so its low-precision copies would not follow the optimizer's "
+    "updates (fused optimizers update in place without telling autograd). Bind it before "
+    "training: masters = amprewrite.MasterWeights(gm, optimizer); or run under "
+    "torch.no_grad() for inference.")
+
+
 class LowPrecisionCopies:
     """The low-precision copies of one O2 GraphModule's master weights."""
 
@@ -87,15 +95,8 @@ class LowPrecisionCopies:
         """The copy of ``master`` in ``dtype``; tracked back to ``master`` in grad mode."""
         if master.dtype == dtype or _tracing(master):
             return master.to(dtype)
-        training = master.requires_grad and torch.is_grad_enabled()
-        if training and self.bindings == 0:
-            raise AmpRewriteError(
-                "an opt_level='O2' module ran a forward that needs gradients, but no optimizer "
-                "is bound to its fp32 master weights, so its low-precision copies would not "
-                "follow the optimizer's updates (fused optimizers update in place without "
-                "telling autograd). Bind it before training: "
-                "masters = amprewrite.MasterWeights(gm, optimizer); or run under "
-                "torch.no_grad() for inference.")
+        if master.requires_grad and torch.is_grad_enabled() and self.bindings == 0:
+            raise AmpRewriteError(_UNBOUND)
         return self._current(master, dtype)
 
     def get_many(self, masters: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -106,12 +107,11 @@ class LowPrecisionCopies:
             return [m.to(dtype) for m in masters]
         # NB: tracing is a property of the call, not of a master: checked once (it looks at
         # the dispatch mode stack, which costs microseconds).
-        if masters and (_tracing(masters[0]) or any(m.dtype == dtype for m in masters)):
+        if masters and _tracing(masters[0]):
             return [self.get(m, dtype) for m in masters]
-        training = [i for i, m in enumerate(masters) if m.requires_grad] \
-            if torch.is_grad_enabled() else []
-        if training and self.bindings == 0:
-            self.get(masters[training[0]], dtype)  # raises the unbound-optimizer error
+        if self.bindings == 0 and torch.is_grad_enabled() and \
+                any(m.requires_grad and m.dtype != dtype for m in masters):
+            raise AmpRewriteError(_UNBOUND)
         return self._current_many(masters, dtype)
 
     def _current_many(self, masters: list[torch.Tensor], dtype: torch.dtype
@@ -129,6 +129,8 @@ class LowPrecisionCopies:
                     and entry.data_ptr == master.data_ptr()
                     and entry.requires_grad == master.requires_grad):
                 out.append(entry.copy)
+            elif master.dtype == dtype:
+                out.append(master)  # already low precision: it is its own copy, never stored
             else:
                 out.append(None)
                 stale.append((i, key, entry if entry is not None and entry.master() is master

@@ -9,7 +9,8 @@ torch thread:
 * an ATen op through its ``OpOverload`` (``torch.ops.aten.layer_norm.default``) against the
   Python binding eager code calls (``torch.layer_norm``);
 * the weight read that starts a converted forward of the launch-bound model (200 tensors,
-  100 of them handed over as cached bf16 copies in inference), in inference and grad mode;
+  100 of them handed over as cached bf16 copies in inference, or as O2's stored copies), in
+  inference and grad mode;
 * O2's refresh of the stored low-precision copies of the launch-bound model (100 copies):
   ``LowPrecisionCopies.refresh`` whole, and the ``torch._foreach_copy_`` inside it alone.
 
@@ -58,16 +59,23 @@ def _refresh_env() -> dict[str, Any]:
             "copies": [c for _, c in pairs], "sources": [m for m, _ in pairs]}
 
 
-def _fetch_env() -> dict[str, Any]:
-    """The weight read of the launch-bound model converted with autocast's CPU rules."""
+def _fetch_env(opt_level: str) -> dict[str, Any]:
+    """The weight read of the launch-bound model converted with autocast's CPU rules (O1) or
+    with O2 (its optimizer bound), its copies made."""
     model, x = LaunchBound(), torch.randn(2, 8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        gm = amprewrite.convert(model, (x,), policy=amprewrite.Policy.autocast("cpu"))
+        if opt_level == "O2":
+            gm = amprewrite.convert(model, (x,), opt_level="O2")
+            amprewrite.MasterWeights(gm, torch.optim.SGD(gm.parameters(), lr=1e-6))
+        else:
+            gm = amprewrite.convert(model, (x,), policy=amprewrite.Policy.autocast("cpu"))
     with torch.no_grad():
-        gm(x)  # the copies made
+        gm(x)
+    store = {"cache": gm.__dict__.get("_amp_weight_cache"),
+             "store": gm.__dict__.get("_amp_low_copies")}
     return {"table": gm._amp_weights, "entries": gm._amp_weights.entries,
-            "cache": gm._amp_weight_cache}
+            "kwargs": {k: v for k, v in store.items() if v is not None}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,12 +101,14 @@ def main(argv: list[str] | None = None) -> None:
     for what, slow, fast in rows:
         print(f"| {what} | `{slow}` | {_us(slow, env, args.number, args.repeat):.2f} | "
               f"`{fast}` | {_us(fast, env, args.number, args.repeat):.2f} |")
-    fetch, read = _fetch_env(), "table.fetch(*entries, cache=cache)"
-    with torch.no_grad():
-        inference = _us(read, fetch, args.number, args.repeat)
-    print(f"\nWeight read of the launch-bound model ({len(fetch['entries'])} tensors): "
-          f"{inference:.0f} µs in inference, "
-          f"{_us(read, fetch, args.number, args.repeat):.0f} µs in grad mode")
+    print()
+    for opt_level in ("O1", "O2"):
+        fetch, read = _fetch_env(opt_level), "table.fetch(*entries, **kwargs)"
+        with torch.no_grad():
+            inference = _us(read, fetch, args.number, args.repeat)
+        print(f"Weight read of the launch-bound model, {opt_level} ({len(fetch['entries'])} "
+              f"tensors): {inference:.0f} µs in inference, "
+              f"{_us(read, fetch, args.number, args.repeat):.0f} µs in grad mode")
     refresh = _refresh_env()
     n = len(refresh["copies"])
     whole = _us("store.refresh(masters)", refresh, args.number // 10, args.repeat)

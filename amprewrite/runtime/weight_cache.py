@@ -73,7 +73,6 @@ class _Handed(NamedTuple):
     handed for: while that state holds, the next lookup of the same weights hands the same
     copies without checking each weight on its own."""
 
-    generation: int
     ids: list[int]
     versions: list[int]
     data_ptrs: list[int]
@@ -85,9 +84,9 @@ class WeightCastCache:
 
     def __init__(self) -> None:
         self._entries: dict[tuple[int, torch.dtype], _Entry] = {}
-        self._generation = 0
-        """Moves whenever an entry is made, remade or dropped (its weight died)."""
         self._handed: dict[torch.dtype, _Handed] = {}
+        """What the last inference lookup of each dtype handed over; dropped with any entry
+        (a weight died: its id may go to another tensor) and by :meth:`clear`."""
 
     def cast(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``weight`` in ``dtype``: tracked by autograd when a gradient is needed, else the
@@ -125,12 +124,11 @@ class WeightCastCache:
         grad = torch.is_grad_enabled()
         if not grad:
             handed = self._handed.get(dtype)
-            # The same weights as last time (the generation has not moved, so none of them
-            # died and no other tensor took its id), none updated in place or given new
+            # The same weights as last time (none died since, or the record would be gone,
+            # so equal ids are the same tensors), none updated in place or given new
             # storage: the same copies, checked list by list (a third of the per-weight
             # checks below).
-            if handed is not None and handed.generation == self._generation and \
-                    handed.ids == list(map(id, weights)) and \
+            if handed is not None and handed.ids == list(map(id, weights)) and \
                     handed.versions == [w._version for w in weights] and \
                     handed.data_ptrs == [w.data_ptr() for w in weights]:
                 return handed.copies
@@ -157,8 +155,7 @@ class WeightCastCache:
         entries = self._entries
         if all(e is not None and e.copy is c for e, c in
                zip((entries.get((id(w), dtype)) for w in weights), copies)):
-            self._handed[dtype] = _Handed(self._generation, list(map(id, weights)),
-                                          [w._version for w in weights],
+            self._handed[dtype] = _Handed(list(map(id, weights)), [w._version for w in weights],
                                           [w.data_ptr() for w in weights], copies)
         else:
             self._handed.pop(dtype, None)
@@ -177,7 +174,6 @@ class WeightCastCache:
         # stale copies do not pile up; it holds the cache weakly to avoid a reference cycle.
         self._entries[key] = _Entry(weakref.ref(weight, _dropper(self, key)), weight._version,
                                     weight.data_ptr(), copy)
-        self._generation += 1
         return copy
 
     def clear(self) -> int:
@@ -185,7 +181,6 @@ class WeightCastCache:
         n = len(self._entries)
         self._entries.clear()
         self._handed.clear()
-        self._generation += 1
         return n
 
     def __len__(self) -> int:
@@ -259,7 +254,7 @@ def _dropper(cache: WeightCastCache, key: tuple[int, torch.dtype]) -> Any:
         owner = cache_ref()
         if owner is None:
             return
-        owner._generation += 1  # its id may now go to another tensor
+        owner._handed.clear()  # its id may now go to another tensor, and its copy be freed
         entry = owner._entries.get(key)
         # The id may already belong to a new weight with an entry of its own: keep that one.
         if entry is not None and entry.weight is dead:

@@ -20,7 +20,6 @@ torch thread:
 from __future__ import annotations
 
 import argparse
-import copy
 import pathlib
 import sys
 import timeit
@@ -28,7 +27,6 @@ import warnings
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -37,6 +35,9 @@ from _models import LaunchBound  # noqa: E402
 from _speed_report import machine  # noqa: E402
 
 import amprewrite  # noqa: E402
+from amprewrite.runtime.low_copies import LOW_COPIES_ATTR  # noqa: E402
+from amprewrite.runtime.weight_cache import CACHE_ATTR  # noqa: E402
+from amprewrite.runtime.weight_table import WEIGHTS_ATTR  # noqa: E402
 from amprewrite.training.optimizers import held_tensors  # noqa: E402
 
 
@@ -44,38 +45,38 @@ def _us(stmt: str, env: dict[str, Any], number: int, repeat: int) -> float:
     return min(timeit.repeat(stmt, globals=env, number=number, repeat=repeat)) / number * 1e6
 
 
-def _refresh_env() -> dict[str, Any]:
-    """O2's store of the launch-bound model, its copies made, bound to an SGD optimizer."""
+def _converted(opt_level: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The launch-bound model converted with autocast's CPU rules (O1) or with O2 (its fp32
+    masters bound to the returned optimizer), after one forward: its copies made."""
     model, x = LaunchBound(), torch.randn(2, 8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the no-fast-bf16 warning of CPUs without AMX
-        gm = amprewrite.convert(copy.deepcopy(model), (x,), opt_level="O2")
+        if opt_level == "O2":
+            gm = amprewrite.convert(model, (x,), opt_level="O2")
+        else:
+            gm = amprewrite.convert(model, (x,), policy=amprewrite.Policy.autocast("cpu"))
     optimizer = torch.optim.SGD(gm.parameters(), lr=1e-6)
-    amprewrite.MasterWeights(gm, optimizer)
-    gm(x)
-    store = gm._amp_low_copies
+    if opt_level == "O2":
+        amprewrite.MasterWeights(gm, optimizer)
+    with torch.no_grad():
+        gm(x)
+    return gm, optimizer
+
+
+def _fetch_env(gm: torch.nn.Module) -> dict[str, Any]:
+    """What the weight read of ``gm``'s forward is called with."""
+    kwargs = {key: gm.__dict__[attr] for key, attr in
+              (("cache", CACHE_ATTR), ("store", LOW_COPIES_ATTR)) if attr in gm.__dict__}
+    table = getattr(gm, WEIGHTS_ATTR)
+    return {"table": table, "entries": table.entries, "kwargs": kwargs}
+
+
+def _refresh_env(gm: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What an O2 refresh after ``optimizer``'s step works on."""
+    store = getattr(gm, LOW_COPIES_ATTR)
     pairs = store.copies()
     return {"store": store, "masters": held_tensors([optimizer]), "torch": torch,
             "copies": [c for _, c in pairs], "sources": [m for m, _ in pairs]}
-
-
-def _fetch_env(opt_level: str) -> dict[str, Any]:
-    """The weight read of the launch-bound model converted with autocast's CPU rules (O1) or
-    with O2 (its optimizer bound), its copies made."""
-    model, x = LaunchBound(), torch.randn(2, 8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if opt_level == "O2":
-            gm = amprewrite.convert(model, (x,), opt_level="O2")
-            amprewrite.MasterWeights(gm, torch.optim.SGD(gm.parameters(), lr=1e-6))
-        else:
-            gm = amprewrite.convert(model, (x,), policy=amprewrite.Policy.autocast("cpu"))
-    with torch.no_grad():
-        gm(x)
-    store = {"cache": gm.__dict__.get("_amp_weight_cache"),
-             "store": gm.__dict__.get("_amp_low_copies")}
-    return {"table": gm._amp_weights, "entries": gm._amp_weights.entries,
-            "kwargs": {k: v for k, v in store.items() if v is not None}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     bf16 = torch.bfloat16
     w = torch.randn(8, 8, requires_grad=True)
     x, lw, lb = torch.randn(2, 8), torch.ones(8), torch.zeros(8)
-    env = {"w": w, "x": x, "lw": lw, "lb": lb, "bf16": bf16, "torch": torch, "F": F}
+    env = {"w": w, "x": x, "lw": lw, "lb": lb, "bf16": bf16, "torch": torch}
     rows = [
         ("weight cast, grad mode", "w.to(bf16)", "w.bfloat16()"),
         ("activation cast, no autograd", "x.to(bf16)", "x.bfloat16()"),
@@ -102,14 +103,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {what} | `{slow}` | {_us(slow, env, args.number, args.repeat):.2f} | "
               f"`{fast}` | {_us(fast, env, args.number, args.repeat):.2f} |")
     print()
-    for opt_level in ("O1", "O2"):
-        fetch, read = _fetch_env(opt_level), "table.fetch(*entries, **kwargs)"
+    converted = {level: _converted(level) for level in ("O1", "O2")}
+    for opt_level, (gm, _) in converted.items():
+        fetch, read = _fetch_env(gm), "table.fetch(*entries, **kwargs)"
         with torch.no_grad():
             inference = _us(read, fetch, args.number, args.repeat)
         print(f"Weight read of the launch-bound model, {opt_level} ({len(fetch['entries'])} "
               f"tensors): {inference:.0f} µs in inference, "
               f"{_us(read, fetch, args.number, args.repeat):.0f} µs in grad mode")
-    refresh = _refresh_env()
+    refresh = _refresh_env(*converted["O2"])
     n = len(refresh["copies"])
     whole = _us("store.refresh(masters)", refresh, args.number // 10, args.repeat)
     with torch.no_grad():

@@ -1,0 +1,97 @@
+"""torch.export's input-shape check runs as a plain call in a converted module's forward and
+through torch.export's own wrapper under Dynamo."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import amprewrite
+from amprewrite.capture.guards import InputGuards, fast_input_guards
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc(x))
+
+
+def _converted() -> fx.GraphModule:
+    return amprewrite.convert(Net(), (torch.randn(2, 8),),
+                              policy=amprewrite.Policy.autocast("cpu", torch.bfloat16))
+
+
+def test_the_check_is_called_without_the_dynamo_wrapper() -> None:
+    gm = _converted()
+    guards = gm._guards_fn
+    assert isinstance(guards, InputGuards)
+    assert "self._guards_fn(x)" in gm.code
+    calls: list[tuple] = []
+    check = guards._check
+    guards._check = lambda *args: calls.append(args) or check(*args)
+    guards._traced = lambda *args: pytest.fail("the Dynamo-wrapped check ran eagerly")
+    x = torch.randn(5, 8)
+    out = gm(x)
+    assert len(calls) == 1 and calls[0][0] is x
+    with torch.autocast("cpu", torch.bfloat16):
+        assert torch.equal(out, Net()(x))
+
+
+def test_a_wrong_shape_fails_with_exports_message() -> None:
+    gm = _converted()
+    with pytest.raises(AssertionError, match=r"Guard failed: x\.size\(\)\[1\] == 8"):
+        gm(torch.randn(2, 9))
+
+
+def test_the_call_survives_dead_code_elimination_and_copies() -> None:
+    gm = _converted()
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["_guards_fn"]
+    clone = copy.deepcopy(gm)
+    assert isinstance(clone._guards_fn, InputGuards)
+    with pytest.raises(AssertionError, match="Guard failed"):
+        clone(torch.randn(2, 9))
+    fast_input_guards(clone)  # idempotent
+    assert isinstance(clone._guards_fn, InputGuards)
+
+
+def test_under_dynamo_the_wrapped_check_is_traced() -> None:
+    gm = _converted()
+    traced = gm._guards_fn._traced
+    seen: list[bool] = []
+
+    def spy(*args: torch.Tensor) -> None:
+        seen.append(torch.compiler.is_dynamo_compiling())
+        return traced(*args)
+
+    gm._guards_fn._traced = spy
+    x = torch.randn(3, 8)
+    torch._dynamo.reset()
+    out = torch.compile(gm, backend="eager")(x)
+    assert seen and all(seen)  # called while Dynamo traced, never at run time
+    assert torch.equal(out, gm(x))
+
+
+def test_an_unknown_guard_module_is_left_alone() -> None:
+    gm = _converted()
+
+    class Other(nn.Module):
+        _is_impure = True
+
+        def forward(self, *args: torch.Tensor) -> None:
+            torch._assert(args[0].size()[1] == 8, "Guard failed")
+
+    other = Other()
+    gm._guards_fn = other
+    fast_input_guards(gm)
+    assert gm._guards_fn is other

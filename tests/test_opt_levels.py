@@ -215,6 +215,100 @@ def test_o2_step_rewrites_every_copy_in_place_with_one_batched_copy() -> None:
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in gm.parameters())
 
 
+class _CountingDict(dict):
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.reads = 0
+
+    def __getitem__(self, key: object) -> object:
+        self.reads += 1
+        return super().__getitem__(key)
+
+    def get(self, *args: object) -> object:
+        self.reads += 1
+        return super().get(*args)
+
+    def items(self):  # type: ignore[no-untyped-def]
+        self.reads += 1
+        return super().items()
+
+
+def _copies_match(store: LowPrecisionCopies, dtype: torch.dtype) -> bool:
+    return all(torch.equal(c, m.detach().to(dtype)) for m, c in store.copies())
+
+
+def test_o2_refresh_plan_skips_per_weight_lookups_until_a_master_changes() -> None:
+    """A step's refresh reuses the plan made by the one before: no lookup per weight while
+    the store and the masters stay as they were; new storage, a new shape, a new autograd role
+    or a new entry each make it plan again, and the copies always equal the masters cast."""
+    bf16 = torch.bfloat16
+    model = Net()
+    gm = amprewrite.convert(model, (X,), opt_level="O2", dtype=bf16)
+    opt = torch.optim.SGD(gm.parameters(), lr=0.1)
+    amprewrite.MasterWeights(gm, opt)
+    store = getattr(gm, LOW_COPIES_ATTR)
+
+    def step() -> int:
+        """A training step; how many reads of the store's entries its refresh made."""
+        opt.zero_grad()
+        gm(X).float().square().mean().backward()
+        store._entries = _CountingDict(store._entries)
+        opt.step()
+        return store._entries.reads
+
+    assert step() > 0 and len(store._plans) == 1  # the first step plans
+    assert _copies_match(store, bf16)
+    copies = {id(m): c for m, c in store.copies()}
+    assert step() == 0 and _copies_match(store, bf16)
+    assert all(c is copies[id(m)] for m, c in store.copies())  # rewritten in place
+    assert torch.is_grad_enabled()  # the refresh's grad-mode switch is undone
+
+    w = model.fc1.weight
+    w.data = torch.randn(16, 8)  # new storage, same shape: the forward remakes its copy
+    assert step() > 0 and _copies_match(store, bf16)
+    assert step() == 0  # planned again
+
+    with torch.no_grad():
+        w.data = torch.randn(8, 16).t()  # same shape and storage size, new strides
+    assert step() > 0 and _copies_match(store, bf16)
+    # a master given new storage between a forward and the step: the refresh notices
+    gm(X).float().square().mean().backward()
+    model.fc2.weight.data = torch.randn(4, 16)
+    store._entries = _CountingDict(store._entries)
+    opt.step()
+    assert store._entries.reads > 0 and _copies_match(store, bf16)
+
+    model.fc2.bias.requires_grad_(False)  # a new autograd role: its copy is remade, frozen
+    assert step() > 0 and _copies_match(store, bf16)
+    assert next(c for m, c in store.copies() if m is model.fc2.bias).grad_fn is None
+    assert step() == 0
+
+
+def test_o2_refresh_plan_is_dropped_when_a_master_dies() -> None:
+    bf16 = torch.bfloat16
+    store = LowPrecisionCopies()
+    # NB: frozen masters: a trained master's copy keeps it alive through its autograd node
+    masters = [torch.randn(4), torch.randn(3)]
+    store.get_many(masters, bf16)
+    store.refresh(masters)
+    assert len(store._plans) == 1
+    del masters[0]  # its id may go to another tensor: no plan may match it any more
+    assert not store._plans
+    masters.insert(0, torch.randn(5))
+    store.get_many(masters, bf16)
+    with torch.no_grad():
+        masters[0].add_(1)
+        masters[1].add_(1)
+    store.refresh(masters)
+    assert all(torch.equal(store.get(m, bf16), m.detach().to(bf16)) for m in masters)
+    with torch.inference_mode():  # the copies are normal tensors, rewritten outside it
+        with torch.no_grad():
+            masters[1].add_(1)
+        store.refresh(masters)
+    assert torch.equal(store.get(masters[1], bf16), masters[1].detach().to(bf16))
+    assert not store.get(masters[1], bf16).is_inference()
+
+
 def test_o2_backward_after_a_step_fails_as_in_fp32() -> None:
     """A graph recorded before an optimizer step cannot be backpropagated after it: the step
     rewrites the copies the graph saved, as it rewrites an fp32 model's parameters."""

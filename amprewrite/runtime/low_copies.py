@@ -23,17 +23,20 @@ cast nor an autograd node.
 
 Refresh: after a step the copies are rewritten *in place*, all of them by one
 ``torch._foreach_copy_`` (one call instead of a cast, an autograd node and an allocation per
-weight), and keep their autograd nodes. Like the fp32 parameters that the optimizer itself
-updates in place, a copy that a graph saved for backward thus moves to a new version, and a
-backward through a graph recorded before the step fails with autograd's "modified by an
-inplace operation" error, exactly as it would in fp32 training; the usual order (forward,
-backward, step) is unaffected.
+weight), and keep their autograd nodes. Which copies an optimizer's masters have, and the
+master state they were made for, is kept as a plan per list of masters (:class:`_Plan`), so
+that a step's refresh is three list comparisons and the batched copy rather than a lookup
+and a check per weight (``benchmarks/bench_phases.py``, step column). Like the fp32
+parameters that the optimizer itself updates in place, a copy that a graph saved for
+backward thus moves to a new version, and a backward through a graph recorded before the
+step fails with autograd's "modified by an inplace operation" error, exactly as it would in
+fp32 training; the usual order (forward, backward, step) is unaffected.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
@@ -52,8 +55,9 @@ class _Entry:
 
     __slots__ = ("master", "version", "data_ptr", "shape", "requires_grad", "copy")
 
-    def __init__(self, master: torch.Tensor, copy: torch.Tensor) -> None:
-        self.master = weakref.ref(master)
+    def __init__(self, master: torch.Tensor, copy: torch.Tensor,
+                 on_death: Callable[[weakref.ref], None]) -> None:
+        self.master = weakref.ref(master, on_death)
         self.version = master._version
         self.data_ptr = master.data_ptr()
         self.shape = master.shape
@@ -65,6 +69,32 @@ class _Entry:
         autograd role (a remade parameter, ``p.data = t`` or ``requires_grad_`` need a new one)."""
         return (self.data_ptr == master.data_ptr() and self.shape == master.shape
                 and self.requires_grad == master.requires_grad)
+
+
+class _Plan(NamedTuple):
+    """The refresh of one list of masters: which of them have stored copies, and the state
+    (storage, shape, autograd role) those masters had when the plan was made. Valid while
+    the store's entries stay as they are (any new, remade or dead entry drops every plan) and
+    each master still has that state."""
+
+    indices: list[int]
+    """Positions, in the list of masters, of those with a stored copy."""
+    entries: list[_Entry]
+    copies: list[torch.Tensor]
+    data_ptrs: list[int]
+    shapes: list[torch.Size]
+    requires_grads: list[bool]
+
+
+def _plan_dropper(store: "LowPrecisionCopies") -> Callable[[weakref.ref], None]:
+    store_ref = weakref.ref(store)  # NB: weak, so that the entries' callbacks keep no store
+
+    def drop(_: weakref.ref) -> None:
+        owner = store_ref()
+        if owner is not None:
+            owner._plans.clear()  # a dead master's id may go to another tensor
+
+    return drop
 
 
 def _tracing(master: torch.Tensor) -> bool:
@@ -88,6 +118,10 @@ class LowPrecisionCopies:
 
     def __init__(self) -> None:
         self._entries: dict[tuple[int, torch.dtype], _Entry] = {}
+        self._plans: dict[tuple[int, ...], _Plan] = {}
+        """Refresh plans by the ids of their list of masters; cleared whenever an entry is
+        made, remade or loses its master."""
+        self._on_death = _plan_dropper(self)
         self.bindings = 0
         """How many :class:`amprewrite.MasterWeights` refresh these copies after steps."""
 
@@ -160,11 +194,23 @@ class LowPrecisionCopies:
                     copies = cast_batch([m for _, m in group], dtype)
                     made += [(key, m, c) for (key, m), c in zip(group, copies)]
         for key, master, copy in made:
-            self._entries[key] = _Entry(master, copy)
+            self._entries[key] = _Entry(master, copy, self._on_death)
+        self._plans.clear()
 
     def refresh(self, masters: list[torch.Tensor] | None = None) -> None:
         """Recompute the copies of ``masters`` (all stored ones when None) from their
         current values, whatever their version counters say."""
+        if masters is not None:
+            key = tuple(map(id, masters))
+            plan = self._plans.get(key)
+            if plan is not None:
+                sources = [masters[i] for i in plan.indices]
+                # NB: _Entry.fits of each, as three list comparisons.
+                if [m.data_ptr() for m in sources] == plan.data_ptrs and \
+                        [m.shape for m in sources] == plan.shapes and \
+                        [m.requires_grad for m in sources] == plan.requires_grads:
+                    self._rewrite(plan.entries, plan.copies, sources)
+                    return
         wanted = None if masters is None else {id(m) for m in masters}
         stale = []
         for key, entry in list(self._entries.items()):
@@ -174,6 +220,36 @@ class LowPrecisionCopies:
             elif wanted is None or key[0] in wanted:
                 stale.append((key, entry, master))
         self._update(stale)
+        if masters is not None:
+            self._plans[tuple(map(id, masters))] = self._plan(masters, [k for k, _, _ in stale])
+
+    def _plan(self, masters: list[torch.Tensor], keys: list[tuple[int, torch.dtype]]) -> _Plan:
+        """The plan for ``masters``, whose copies are up to date under ``keys``."""
+        position = {id(m): i for i, m in enumerate(masters)}
+        entries = [self._entries[k] for k in keys]
+        sources = [masters[position[k[0]]] for k in keys]
+        return _Plan([position[k[0]] for k in keys], entries, [e.copy for e in entries],
+                     [m.data_ptr() for m in sources], [m.shape for m in sources],
+                     [m.requires_grad for m in sources])
+
+    @staticmethod
+    def _rewrite(entries: list[_Entry], copies: list[torch.Tensor],
+                 sources: list[torch.Tensor]) -> None:
+        """Copy each source into its entry's copy in place, in one batched copy."""
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                LowPrecisionCopies._rewrite(entries, copies, sources)
+            return
+        # NB: the grad mode switched directly: in an optimizer step's hook, entering and leaving
+        # ``torch.no_grad()`` costs as much as the batched copy of a small model's weights.
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            torch._foreach_copy_(copies, sources)
+        finally:
+            torch._C._set_grad_enabled(grad)
+        for entry, master in zip(entries, sources):
+            entry.version = master._version
 
     def _update(self, items: list[tuple[tuple[int, torch.dtype], _Entry | None, torch.Tensor]]
                 ) -> None:
@@ -190,10 +266,7 @@ class LowPrecisionCopies:
             else:
                 remake.append((key, master))
         if rewrite:
-            with torch.inference_mode(False), torch.no_grad():
-                torch._foreach_copy_([e.copy for e in rewrite], sources)
-            for entry, master in zip(rewrite, sources):
-                entry.version = master._version
+            self._rewrite(rewrite, [e.copy for e in rewrite], sources)
         if remake:
             self._store_many(remake)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -207,3 +208,34 @@ def test_only_tensor_casts_take_the_dtype_method() -> None:
         gm.recompile()  # the plain code
         assert torch.equal(gm(*args), fast)
     assert exported(x).dtype == torch.float16
+
+
+class _Optional(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None,
+                extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        y = self.fc(x)
+        if scale is not None:
+            y = y * scale
+        return y if extra is None else y + extra["a"]
+
+
+@pytest.mark.parametrize("args, kwargs, flattened", [
+    ((torch.randn(2, 8),), None, False),
+    ((torch.randn(2, 8),), {"scale": torch.rand(8)}, True),
+    ((torch.randn(2, 8), None, {"a": torch.rand(8)}), None, True),
+], ids=["positional-tensors", "keyword", "nested"])
+def test_arguments_bound_directly_where_flattening_is_the_identity(
+        args: tuple, kwargs: dict | None, flattened: bool) -> None:
+    model = _Optional()
+    gm = amprewrite.convert(model, args, example_kwargs=kwargs)
+    assert ("tree_flatten_spec" in gm.code) == flattened
+    out = gm(*args, **(kwargs or {}))
+    with torch.autocast("cpu", torch.bfloat16):
+        assert torch.equal(out, model(*args, **(kwargs or {})))
+    gm.recompile()  # the plain code flattens again, with the same result
+    assert "tree_flatten_spec" in gm.code and torch.equal(gm(*args, **(kwargs or {})), out)

@@ -8,6 +8,8 @@ torch thread:
   weight that requires grad in grad mode and for a tensor without autograd;
 * an ATen op through its ``OpOverload`` (``torch.ops.aten.layer_norm.default``) against the
   Python binding eager code calls (``torch.layer_norm``);
+* torch.export's input-shape check (``self._guards_fn(x)``) as torch.export leaves it,
+  wrapped in a Dynamo config patch, against the converted module's direct call;
 * the weight read that starts a converted forward of the launch-bound model (200 tensors,
   100 of them handed over as cached bf16 copies in inference, or as O2's stored copies), in
   inference and grad mode;
@@ -79,6 +81,19 @@ def _refresh_env(gm: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[
             "copies": [c for _, c in pairs], "sources": [m for m, _ in pairs]}
 
 
+def _guard_rows(x: torch.Tensor, env: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The input-shape check of a Linear exported and converted, if torch.export makes one."""
+    model = torch.nn.Linear(8, 8)
+    exported = getattr(torch.export.export(model, (x,)).module(), "_guards_fn", None)
+    if exported is None:
+        return []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        env["converted_guards"] = amprewrite.convert(model, (x,))._guards_fn
+    env["exported_guards"] = exported
+    return [("input-shape check", "exported_guards(x)", "converted_guards(x)")]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--number", type=int, default=2000)
@@ -96,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
          "torch.layer_norm(x, [8], lw, lb, 1e-5, False)"),
         ("add", "torch.ops.aten.add.Tensor(x, x)", "torch.add(x, x)"),
     ]
+    rows += _guard_rows(x, env)
     print(f"Machine: {machine('cpu')}\n")
     print("| call | slow form | µs | fast form | µs |")
     print("|---|---|---:|---|---:|")

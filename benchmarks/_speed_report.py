@@ -204,8 +204,10 @@ def render(opts: Options, report: Report, partial: str) -> list[str]:
 
 
 def title(opts: Options) -> str:
+    # The launch-bound model has one size: a run of it alone names it rather than a size.
+    sizes = "the launch-bound model" if opts.models == ["launch"] else f"{opts.size} sizes"
     return f"{opts.device}, {_dtype_name(opts.dtype)}" + \
-        (" + torch.compile" if opts.compile else "") + f", {opts.size} sizes"
+        (" + torch.compile" if opts.compile else "") + f", {sizes}"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

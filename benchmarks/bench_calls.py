@@ -8,6 +8,8 @@ torch thread:
   weight that requires grad in grad mode and for a tensor without autograd;
 * an ATen op through its ``OpOverload`` (``torch.ops.aten.layer_norm.default``) against the
   Python binding eager code calls (``torch.layer_norm``);
+* an exported forward's flattening of its arguments against the input spec, which binds a
+  positional tensor argument to itself, against binding it directly (no code);
 * torch.export's input-shape check (``self._guards_fn(x)``) as torch.export leaves it,
   wrapped in a Dynamo config patch, against the converted module's direct call;
 * the weight read that starts a converted forward of the launch-bound model (200 tensors,
@@ -29,6 +31,7 @@ import warnings
 from typing import Any
 
 import torch
+from torch.fx import _pytree as fx_pytree
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -82,16 +85,19 @@ def _refresh_env(gm: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[
 
 
 def _guard_rows(x: torch.Tensor, env: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """The input-shape check of a Linear exported and converted, if torch.export makes one."""
+    """The input-shape check of a Linear exported and converted, if torch.export makes one,
+    and the converted forward's argument binding."""
     model = torch.nn.Linear(8, 8)
     exported = getattr(torch.export.export(model, (x,)).module(), "_guards_fn", None)
     if exported is None:
         return []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        env["converted_guards"] = amprewrite.convert(model, (x,))._guards_fn
-    env["exported_guards"] = exported
-    return [("input-shape check", "exported_guards(x)", "converted_guards(x)")]
+        gm = amprewrite.convert(model, (x,))
+    env.update(converted_guards=gm._guards_fn, exported_guards=exported, spec=gm._in_spec,
+               fx_pytree=fx_pytree)
+    return [("input-shape check", "exported_guards(x)", "converted_guards(x)"),
+            ("argument binding", "y, = fx_pytree.tree_flatten_spec(([x], {}), spec)", "y = x")]
 
 
 def main(argv: list[str] | None = None) -> None:

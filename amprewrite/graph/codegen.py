@@ -167,15 +167,20 @@ class _DirectArgumentsCodeGen(_PyTreeCodeGen):
 
     def gen_var_bindings(self, fn_args: list[str], free_vars: list[str],
                          expanded_def: bool) -> str:
-        spec = self.pytree_info.in_spec
-        names = [v.split(":")[0].split("#")[0].strip() for v in free_vars]
-        if spec.type is tuple and spec.num_children == 2 and \
-                spec.child(0).type is tuple and spec.child(1).type is dict and \
-                spec.child(1).num_children == 0 and spec.child(0).num_children == len(names) \
-                and all(spec.child(0).child(i).is_leaf() for i in range(len(names))) \
-                and list(fn_args) == names:
+        names = [v.split(":")[0].split("#")[0].strip() for v in free_vars]  # no annotations
+        if list(fn_args) == names and _positional_leaves(self.pytree_info.in_spec, len(names)):
             return ""
         return super().gen_var_bindings(fn_args, free_vars, expanded_def)
+
+
+def _positional_leaves(spec: Any, n: int) -> bool:
+    """Whether the input spec ``spec`` is ``(args, {})`` with ``n`` positional arguments that
+    are each a leaf."""
+    if spec.type is not tuple or spec.num_children != 2:
+        return False
+    args, kwargs = spec.child(0), spec.child(1)
+    return args.type is tuple and kwargs.type is dict and kwargs.num_children == 0 and \
+        args.num_children == n and all(args.child(i).is_leaf() for i in range(n))
 
 
 def _cast_method(node: fx.Node) -> tuple[str, fx.Node] | None:

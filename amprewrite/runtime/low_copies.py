@@ -201,8 +201,8 @@ class LowPrecisionCopies:
         """Recompute the copies of ``masters`` (all stored ones when None) from their
         current values, whatever their version counters say."""
         if masters is not None:
-            key = tuple(map(id, masters))
-            plan = self._plans.get(key)
+            planned = tuple(map(id, masters))
+            plan = self._plans.get(planned)
             if plan is not None:
                 sources = [masters[i] for i in plan.indices]
                 # NB: _Entry.fits of each, as three list comparisons.
@@ -221,7 +221,7 @@ class LowPrecisionCopies:
                 stale.append((key, entry, master))
         self._update(stale)
         if masters is not None:
-            self._plans[tuple(map(id, masters))] = self._plan(masters, [k for k, _, _ in stale])
+            self._plans[planned] = self._plan(masters, [k for k, _, _ in stale])
 
     def _plan(self, masters: list[torch.Tensor], keys: list[tuple[int, torch.dtype]]) -> _Plan:
         """The plan for ``masters``, whose copies are up to date under ``keys``."""

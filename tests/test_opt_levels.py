@@ -155,6 +155,22 @@ def test_o2_store_hands_masters_already_low_as_they_are() -> None:
     assert [m is high for m, _ in store.copies()] == [True]
 
 
+def test_o2_store_keeps_nothing_made_under_a_fake_mode() -> None:
+    """Fake-tensor propagation (at conversion, in tracers) sees plain casts of real masters,
+    and no fake copy is left in the store."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    store = LowPrecisionCopies()
+    store.bindings = 1
+    master = torch.randn(3, requires_grad=True)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        got = store.get_many([master], torch.bfloat16)
+    assert isinstance(got[0], FakeTensor) and got[0].dtype == torch.bfloat16
+    assert not store.copies()
+    real = store.get_many([master], torch.bfloat16)[0]
+    assert not isinstance(real, FakeTensor) and torch.equal(real, master.detach().bfloat16())
+
+
 def test_o2_copies_follow_fused_steps_and_loads() -> None:
     model = Net()
     gm = amprewrite.convert(model, (X,), opt_level="O2", dtype=torch.bfloat16)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .capture.guards import is_input_guards
 from .compile_backend import AmpBackend
 from .graph.meta import META_KEY, cast_info, decision
 from .hardware import describe, model_device, slow_reason
@@ -70,7 +71,7 @@ def _graphs(target: Any) -> list[tuple[str, fx.GraphModule]]:
 def _row(node: fx.Node) -> dict[str, Any] | None:
     rec = decision(node)
     # torch.export's shape-guard call is bookkeeping, not an op of the model.
-    if rec is None or (node.op == "call_module" and node.target == "_guards_fn"):
+    if rec is None or is_input_guards(node):
         return None
     val = node.meta.get("val")
     casts = [a.name for a in node.all_input_nodes if cast_info(a) is not None]

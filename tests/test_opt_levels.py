@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _counting import CountingDict
 
 import amprewrite
 from amprewrite import AmpRewriteError, Policy
@@ -231,24 +232,6 @@ def test_o2_step_rewrites_every_copy_in_place_with_one_batched_copy() -> None:
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in gm.parameters())
 
 
-class _CountingDict(dict):
-    def __init__(self, *args: object) -> None:
-        super().__init__(*args)
-        self.reads = 0
-
-    def __getitem__(self, key: object) -> object:
-        self.reads += 1
-        return super().__getitem__(key)
-
-    def get(self, *args: object) -> object:
-        self.reads += 1
-        return super().get(*args)
-
-    def items(self):  # type: ignore[no-untyped-def]
-        self.reads += 1
-        return super().items()
-
-
 def _copies_match(store: LowPrecisionCopies, dtype: torch.dtype) -> bool:
     return all(torch.equal(c, m.detach().to(dtype)) for m, c in store.copies())
 
@@ -268,7 +251,7 @@ def test_o2_refresh_plan_skips_per_weight_lookups_until_a_master_changes() -> No
         """A training step; how many reads of the store's entries its refresh made."""
         opt.zero_grad()
         gm(X).float().square().mean().backward()
-        store._entries = _CountingDict(store._entries)
+        store._entries = CountingDict(store._entries)
         opt.step()
         return store._entries.reads
 
@@ -290,7 +273,7 @@ def test_o2_refresh_plan_skips_per_weight_lookups_until_a_master_changes() -> No
     # a master given new storage between a forward and the step: the refresh notices
     gm(X).float().square().mean().backward()
     model.fc2.weight.data = torch.randn(4, 16)
-    store._entries = _CountingDict(store._entries)
+    store._entries = CountingDict(store._entries)
     opt.step()
     assert store._entries.reads > 0 and _copies_match(store, bf16)
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from _counting import CountingDict
 
 import amprewrite
 from amprewrite import Policy
@@ -296,16 +297,6 @@ def test_inference_tensor_weights_are_cast_each_time() -> None:
         assert torch.equal(gm(x), autocast_out(model, x))
 
 
-class _CountingDict(dict):
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        self.gets = 0
-
-    def get(self, *args: Any) -> Any:
-        self.gets += 1
-        return super().get(*args)
-
-
 def test_unchanged_weights_get_the_copies_handed_last_time() -> None:
     """A second inference lookup of unchanged weights hands the same copies without a lookup
     per weight; an in-place update, new storage or a weight's death makes it look again."""
@@ -313,9 +304,9 @@ def test_unchanged_weights_get_the_copies_handed_last_time() -> None:
     ws = [torch.randn(4, 4) for _ in range(3)]
     with torch.no_grad():
         first = cache.lookup_many(ws, bf16)
-        cache._entries = _CountingDict(cache._entries)
+        cache._entries = CountingDict(cache._entries)
         assert all(a is b for a, b in zip(cache.lookup_many(ws, bf16), first))
-        assert cache._entries.gets == 0
+        assert cache._entries.reads == 0
         ws[1].add_(1)  # in place: version moves
         assert torch.equal(cache.lookup_many(ws, bf16)[1], ws[1].to(bf16))
         ws[2].data = torch.randn(4, 4)  # new storage

@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-__all__ = ["InputGuards", "fast_input_guards", "GUARDS_ATTR"]
+__all__ = ["InputGuards", "fast_input_guards", "is_input_guards", "GUARDS_ATTR"]
 
 GUARDS_ATTR = "_guards_fn"
 
@@ -46,6 +46,12 @@ class InputGuards(nn.Module):
         if torch.compiler.is_dynamo_compiling():
             return self._traced(*args)
         return self._check(*args)
+
+
+def is_input_guards(node: fx.Node) -> bool:
+    """Whether ``node`` is the forward's input-shape check (``self._guards_fn(x)``):
+    bookkeeping of the capture, not an op of the model."""
+    return node.op == "call_module" and node.target == GUARDS_ATTR
 
 
 def _plain_check(guards: nn.Module) -> Callable[..., None] | None:

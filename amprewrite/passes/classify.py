@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from ..capture.facts import GRAD_MODE_FUNCTIONS, REGION_KEY, Region
+from ..capture.guards import is_input_guards
 from ..graph.meta import META_KEY, Decision, cast_info
 from ..graph.queries import module_paths
 from ..policy.opkey import is_inplace, op_key, overload_key
@@ -49,7 +50,7 @@ def _cast_item(node: fx.Node) -> bool:
 def _is_export_guard(node: fx.Node) -> bool:
     """torch.export's input-shape check (``self._guards_fn(x)``) and the grad-mode calls of an
     inlined ``no_grad`` region: not ops of the model, never cast."""
-    return (node.op == "call_module" and node.target == "_guards_fn") or \
+    return is_input_guards(node) or \
         (node.op == "call_function" and node.target in GRAD_MODE_FUNCTIONS)
 
 

@@ -36,6 +36,7 @@ import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from ..capture.facts import GRAD_KEY, GRAD_MODE_FUNCTIONS
+from ..capture.guards import is_input_guards
 from ..errors import AmpRewriteError
 from ..graph.fake import fake_run, same_val
 from ..graph.meta import META_KEY, CastInfo, Decision, cast_info, decision
@@ -332,7 +333,7 @@ def _stateful(node: fx.Node) -> bool:
             isinstance(node.args[0], fx.Node) and is_fetch(node.args[0]):
         return True
     return (node.op == "call_function" and node.target in GRAD_MODE_FUNCTIONS) or \
-        (node.op == "call_module" and node.target == "_guards_fn") or is_fetch(node)
+        is_input_guards(node) or is_fetch(node)
 
 
 def _promoted_item(node: fx.Node) -> bool:

@@ -55,6 +55,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..capture.facts import GRAD_KEY
+from ..capture.guards import is_input_guards
 from ..graph.meta import META_KEY, CastInfo
 from ..policy.policy import Policy
 from ..policy.tables import OpCategory
@@ -232,7 +233,7 @@ class _LowPrecisionRewrite:
             if not node.users or (self.static and not self._needs(node, self.dtype)):
                 continue
             # export's shape guard keeps checking the caller's own tensor
-            users = [u for u in node.users if u.target != "_guards_fn"]
+            users = [u for u in node.users if not is_input_guards(u)]
             with self.graph.inserting_after(anchor):
                 down = self._activation_cast(node, self.dtype, node)
             for user in users:

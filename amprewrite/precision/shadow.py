@@ -35,6 +35,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
 from ..convert import convert
+from ..capture.guards import is_input_guards
 from ..graph.meta import cast_info, decision
 from ..passes.calibrate import finite_max_abs
 from ..runtime.weight_table import is_fetch
@@ -171,8 +172,7 @@ def reference_module(model: nn.Module, args: tuple, kwargs: dict[str, Any] | Non
 def op_nodes(gm: fx.GraphModule) -> Iterator[fx.Node]:
     """The op nodes of a converted graph: those with a decision, less torch.export's guard."""
     for node in gm.graph.nodes:
-        if decision(node) is not None and not (node.op == "call_module"
-                                               and node.target == "_guards_fn"):
+        if decision(node) is not None and not is_input_guards(node):
             yield node
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn as nn
@@ -306,6 +309,34 @@ def test_o2_refresh_plan_is_dropped_when_a_master_dies() -> None:
         store.refresh(masters)
     assert torch.equal(store.get(masters[1], bf16), masters[1].detach().to(bf16))
     assert not store.get(masters[1], bf16).is_inference()
+
+
+def test_o2_store_lets_a_replaced_trained_master_go() -> None:
+    """A trained master's copy holds the master through its autograd node: when the module
+    gets a new parameter in its place, the next forward drops the old copy, and the old master
+    is freed with the user's last reference to it."""
+    bf16 = torch.bfloat16
+    gm = amprewrite.convert(Net(), (X,), opt_level="O2", dtype=bf16)
+    store = getattr(gm, LOW_COPIES_ATTR)
+
+    def train_step() -> None:
+        opt = torch.optim.SGD(gm.parameters(), lr=0.1)
+        amprewrite.MasterWeights(gm, opt)
+        gm(X).float().square().mean().backward()
+        opt.step()
+
+    train_step()
+    old = weakref.ref(gm.fc1.weight)
+    assert old().requires_grad and store.copies()[0][1].grad_fn is not None
+    gm.fc1.weight = nn.Parameter(torch.randn(16, 8))
+    train_step()
+    gc.collect()
+    assert old() is None
+    linears = [gm.fc1.weight, gm.fc1.bias, gm.fc2.weight, gm.fc2.bias]  # the norm stays fp32
+    assert sorted(id(m) for m, _ in store.copies()) == sorted(map(id, linears))
+    assert len(store._entries) == 4 and _copies_match(store, bf16)
+    assert store.nbytes() == sum(p.numel() * 2 for p in linears)
+    assert gm.fc1.weight.grad is not None and gm.fc1.weight.grad.dtype == torch.float32
 
 
 def test_o2_backward_after_a_step_fails_as_in_fp32() -> None:

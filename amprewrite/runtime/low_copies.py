@@ -150,11 +150,15 @@ class LowPrecisionCopies:
         if self.bindings == 0 and torch.is_grad_enabled() and \
                 any(m.requires_grad and m.dtype != dtype for m in masters):
             raise AmpRewriteError(_UNBOUND)
-        return self._current_many(masters, dtype)
+        return self._current_many(masters, dtype, every=True)
 
-    def _current_many(self, masters: list[torch.Tensor], dtype: torch.dtype
-                      ) -> list[torch.Tensor]:
-        """:meth:`_current` of each master; the stale ones are brought up to date together."""
+    def _current_many(self, masters: list[torch.Tensor], dtype: torch.dtype,
+                      every: bool = False) -> list[torch.Tensor]:
+        """:meth:`_current` of each master; the stale ones are brought up to date together.
+
+        ``every``: ``masters`` are all the masters that the module's forward reads in
+        ``dtype`` (the weight table's call), so a copy of any other master in ``dtype`` is one
+        of a parameter the forward no longer reads (:meth:`_forget_unread`)."""
         out: list[Any] = []
         stale = []
         for i, master in enumerate(masters):
@@ -177,7 +181,24 @@ class LowPrecisionCopies:
             self._update([(key, entry, master) for _, key, entry, master in stale])
             for i, key, _, _ in stale:
                 out[i] = self._entries[key].copy
+            if every and any(entry is None for _, _, entry, _ in stale):
+                self._forget_unread(masters, dtype)
         return out
+
+    def _forget_unread(self, masters: list[torch.Tensor], dtype: torch.dtype) -> None:
+        """Drop the copies in ``dtype`` of masters other than ``masters``.
+
+        Run when the forward reads a master that has no copy yet: first use, or a replaced
+        parameter (``module.weight = nn.Parameter(...)``). The copy of a trained master keeps
+        that master alive (its ``ToCopyBackward`` node leads to the master's
+        ``AccumulateGrad``, which holds it), so its entry would never see the master die: a
+        replaced parameter would stay in memory with its copy for the module's lifetime."""
+        read = {id(m) for m in masters}
+        unread = [key for key in self._entries if key[1] == dtype and key[0] not in read]
+        for key in unread:
+            del self._entries[key]
+        if unread:
+            self._plans.clear()
 
     def _current(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self._current_many([master], dtype)[0]

@@ -1,0 +1,79 @@
+"""A converted module is called through amprewrite's own ``__call__``: the same results, a
+report of the generated line that failed, and a compiled region that starts at the call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+import amprewrite
+from amprewrite.graph.calling import _converted_call
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BF16 = torch.bfloat16
+X = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8))
+
+
+def _converted(inputs: tuple | None = (X,)) -> fx.GraphModule:
+    return amprewrite.convert(_net(), inputs, policy=amprewrite.Policy.autocast("cpu", BF16))
+
+
+def test_converted_modules_take_the_call_and_recompile_gives_fx_its_own_back() -> None:
+    gm = _converted()
+    assert type(gm).__call__ is _converted_call
+    other = _converted()
+    assert type(other) is not type(gm)  # one class per module: setting it touches no other
+    with torch.no_grad():
+        out = gm(X)
+        with torch.autocast("cpu", BF16):
+            assert torch.equal(out, _net()(X))
+        gm.recompile()
+        assert type(gm).__call__ is not _converted_call
+        assert torch.equal(gm(X), out)
+    assert type(other).__call__ is _converted_call
+
+
+def test_a_failing_generated_line_is_reported_and_the_error_kept(
+        capsys: pytest.CaptureFixture) -> None:
+    gm = _converted(None)  # symbolic capture: no input-shape check, the linear itself fails
+    with pytest.raises(RuntimeError, match="cannot be multiplied") as info:
+        gm(torch.randn(2, 7))
+    err = capsys.readouterr().err.splitlines()
+    failed = info.traceback[-1]  # the traceback still reaches the generated forward
+    assert "eval_with_key" in str(failed.path)
+    assert err[0] == (f"RuntimeError at line {failed.lineno + 1} of the converted module's "
+                      "generated forward (print gm.code for all of it):")
+    marked = next(i for i, text in enumerate(err) if text.endswith("<--- HERE"))
+    assert "= torch._C._nn.linear(" in err[marked - 1]
+    assert err[marked] == "~" * len(err[marked - 1]) + " <--- HERE"
+
+
+def test_other_errors_print_nothing(capsys: pytest.CaptureFixture) -> None:
+    gm = _converted()
+    with pytest.raises(Exception, match="Guard failed"):  # torch.export's shape check
+        gm(torch.randn(2, 7))
+    assert capsys.readouterr().err == ""
+
+
+def test_dynamo_compiles_from_the_call() -> None:
+    """torch.fx's own call lives in a file Dynamo skips, so the compiled region would start
+    below it; this call is traced from its first frame, with the same results."""
+    gm = _converted()
+    torch._dynamo.reset()
+    try:
+        assert _debug_get_cache_entry_list(_converted_call.__code__) == []
+        compiled = torch.compile(gm, backend="eager")
+        with torch.no_grad():
+            assert torch.equal(compiled(X), gm(X))
+        assert len(_debug_get_cache_entry_list(_converted_call.__code__)) == 1
+    finally:
+        torch._dynamo.reset()

@@ -16,8 +16,7 @@ from .capture.export import Regime, capture_export
 from .capture.state import preserved_global_state
 from .capture.symbolic import capture_symbolic, propagate_meta
 from .errors import AmpRewriteError
-from .graph.calling import use_converted_call
-from .graph.codegen import recompile_with_bindings
+from .graph.calling import finish
 from .graph.meta import META_KEY
 from .graph.queries import module_paths
 from .hardware import model_device, warn_if_slow
@@ -112,7 +111,7 @@ def convert(
     with preserved_global_state():
         gm = _capture_and_rewrite(model, example_inputs, example_kwargs, policy, low, capture,
                                   opt_level, calibration)
-        return use_converted_call(recompile_with_bindings(gm))
+        return finish(gm)
 
 
 def _capture_and_rewrite(model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None,

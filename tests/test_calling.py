@@ -3,6 +3,8 @@ report of the generated line that failed, and a compiled region that starts at t
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.fx as fx
@@ -40,6 +42,18 @@ def test_converted_modules_take_the_call_and_recompile_gives_fx_its_own_back() -
         assert type(gm).__call__ is not _converted_call
         assert torch.equal(gm(X), out)
     assert type(other).__call__ is _converted_call
+
+
+def test_a_deep_copy_keeps_the_call_and_the_bindings() -> None:
+    gm = _converted()
+    for _ in range(2):  # and a copy of the copy
+        copied = copy.deepcopy(gm)
+        assert type(copied) is not type(gm) and type(copied).__call__ is _converted_call
+        assert copied.code == gm.code and "torch.ops.aten" not in copied.code
+        assert all(a is not b for a, b in zip(copied.parameters(), gm.parameters()))
+        with torch.no_grad():
+            assert torch.equal(copied(X), gm(X))
+        gm = copied
 
 
 def test_a_failing_generated_line_is_reported_and_the_error_kept(

@@ -7,11 +7,13 @@ in a file Dynamo skips (``torch/fx``): the compiled region starts below it, at t
 the 50-layer launch-bound model, compiled (Inductor, CPU, torch 2.13, one thread), a forward
 took 592-605 µs called through the wrapper and 549-568 µs called as below, about what
 ``torch.compile(model)`` takes; eagerly the two calls cost the same (0.6 µs apart).
-:func:`use_converted_call` gives the module's class a ``__call__`` defined here, which Dynamo
+:func:`finish` gives the module's class a ``__call__`` defined here, which Dynamo
 traces from its first frame, and which reports a failing generated line as torch.fx does.
 
 ``gm.recompile()`` puts torch.fx's call back (it regenerates the class's ``__call__``), as it
-puts the plain generated code back (:mod:`.codegen`).
+puts the plain generated code back (:mod:`.codegen`). A deep copy keeps both: torch.fx's
+``__deepcopy__`` builds the copy through a new class and ``recompile()``, so the class's
+``__deepcopy__`` finishes the copy as ``convert`` finished the original (:func:`finish`).
 """
 
 from __future__ import annotations
@@ -24,14 +26,24 @@ from typing import Any
 import torch.fx as fx
 import torch.nn as nn
 
-__all__ = ["use_converted_call", "failure_context"]
+from .codegen import recompile_with_bindings
+
+__all__ = ["finish", "failure_context"]
 
 
-def use_converted_call(gm: fx.GraphModule) -> fx.GraphModule:
-    """Call ``gm`` through :func:`_converted_call` (its class is its own: torch.fx makes one
-    class per GraphModule)."""
-    type(gm).__call__ = _converted_call
+def finish(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm``'s code with proven bindings (:func:`recompile_with_bindings`), called through
+    :func:`_converted_call`, and deep copies finished the same way. Its class is its own
+    (torch.fx makes one class per GraphModule), so no other module changes."""
+    recompile_with_bindings(gm)
+    cls = type(gm)
+    cls.__call__ = _converted_call
+    cls.__deepcopy__ = _finished_copy
     return gm
+
+
+def _finished_copy(self: fx.GraphModule, memo: dict[int, Any]) -> fx.GraphModule:
+    return finish(fx.GraphModule.__deepcopy__(self, memo))
 
 
 def _converted_call(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:

@@ -64,8 +64,8 @@ def failure_context(exc: BaseException) -> str | None:
         return None
     failed = frames[-1]
     lines = linecache.getlines(failed.filename)
-    if failed.lineno is None or not lines:
-        return None
+    if failed.lineno is None or not 0 < failed.lineno <= len(lines):
+        return None  # NB: never raise here: the caller is handling the model's own error
     i = failed.lineno - 1
     marker = "~" * len(lines[i].rstrip()) + " <--- HERE"
     return "\n".join([

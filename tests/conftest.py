@@ -9,6 +9,15 @@ import torch
 
 
 @pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """Dynamo's caches empty before and after the test: compiled code, guards and counters of
+    other tests neither serve nor count here."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def one_thread() -> Iterator[None]:
     """Tiny models run faster, and deterministically on a busy machine, on one thread."""
     before = torch.get_num_threads()

@@ -12,11 +12,7 @@ from amprewrite import OpCategory, Policy
 from amprewrite.graph.meta import decision
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class Branchy(nn.Module):

@@ -78,16 +78,13 @@ def test_other_errors_print_nothing(capsys: pytest.CaptureFixture) -> None:
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_dynamo_compiles_from_the_call() -> None:
     """torch.fx's own call lives in a file Dynamo skips, so the compiled region would start
     below it; this call is traced from its first frame, with the same results."""
     gm = _converted()
-    torch._dynamo.reset()
-    try:
-        assert _debug_get_cache_entry_list(_converted_call.__code__) == []
-        compiled = torch.compile(gm, backend="eager")
-        with torch.no_grad():
-            assert torch.equal(compiled(X), gm(X))
-        assert len(_debug_get_cache_entry_list(_converted_call.__code__)) == 1
-    finally:
-        torch._dynamo.reset()
+    assert _debug_get_cache_entry_list(_converted_call.__code__) == []
+    compiled = torch.compile(gm, backend="eager")
+    with torch.no_grad():
+        assert torch.equal(compiled(X), gm(X))
+    assert len(_debug_get_cache_entry_list(_converted_call.__code__)) == 1

@@ -65,6 +65,7 @@ def test_the_call_survives_dead_code_elimination_and_copies() -> None:
     assert isinstance(clone._guards_fn, InputGuards)
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_under_dynamo_the_wrapped_check_is_traced() -> None:
     gm = _converted()
     traced = gm._guards_fn._traced
@@ -76,7 +77,6 @@ def test_under_dynamo_the_wrapped_check_is_traced() -> None:
 
     gm._guards_fn._traced = spy
     x = torch.randn(3, 8)
-    torch._dynamo.reset()
     out = torch.compile(gm, backend="eager")(x)
     assert seen and all(seen)  # called while Dynamo traced, never at run time
     assert torch.equal(out, gm(x))

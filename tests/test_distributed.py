@@ -480,13 +480,6 @@ def test_fsdp2_param_dtype_policy_on_a_converted_module_fails(ranks):
 
 
 # -- torch.export and torch.compile ----------------------------------------------------------
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
 def test_export_save_load_is_bitwise(level, tmp_path, one_thread):
     _, gm = converted(level)

@@ -87,16 +87,13 @@ def _guard_lines(compiled: nn.Module) -> list[str]:
     return "\n".join(records).splitlines()
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_compiled_read_needs_no_python_aliasing_guards() -> None:
     """Dynamo guards that two places holding one object still do with a Python check run on
     every call (``a is b``); the table holds each dict once, so a compiled converted module
     has no such guard on its weights, whatever the number of layers."""
     gm = _converted(Net())
-    torch._dynamo.reset()
-    try:
-        lines = _guard_lines(torch.compile(gm, backend="eager"))
-    finally:
-        torch._dynamo.reset()
+    lines = _guard_lines(torch.compile(gm, backend="eager"))
     assert any(WEIGHTS_ATTR in line for line in lines)  # the table's reads are guarded
     # NB: the guard's expression, not the source line quoted after it
     aliasing = [line for line in lines

@@ -3,6 +3,7 @@ the machine line, and the one-shot writer that also runs when the time budget en
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import pathlib
@@ -212,6 +213,12 @@ def title(opts: Options) -> str:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return next(k for k, v in DTYPES.items() if v == dtype)
+
+
+def add_markdown_option(parser: argparse.ArgumentParser) -> None:
+    """``--markdown-section NAME``: the block of BENCHMARKS.md the run (re)writes."""
+    parser.add_argument("--markdown-section", default=None, metavar="NAME",
+                        help="(re)write the <!-- NAME:begin/end --> block of BENCHMARKS.md")
 
 
 def write_markdown(path: pathlib.Path, section: str, block: list[str]) -> None:

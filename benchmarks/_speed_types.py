@@ -20,6 +20,27 @@ LR = 1e-6
 PHASES = ("inference", "train step")
 
 
+def add_machine_options(parser: argparse.ArgumentParser) -> None:
+    """``--device``, ``--dtype`` and ``--threads``, as every speed benchmark takes them."""
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the models run (default: cpu)")
+    parser.add_argument("--dtype", default=None, choices=tuple(DTYPES),
+                        help="low-precision dtype (default: bf16 on cpu, fp16 on cuda)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's own choice)")
+
+
+def apply_machine_options(parser: argparse.ArgumentParser, args: argparse.Namespace
+                          ) -> torch.dtype:
+    """Check ``--device``, set ``--threads``; the low-precision dtype ``--dtype`` names (bf16
+    on the CPU, fp16 on CUDA when not given)."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return DTYPES[args.dtype or ("bf16" if args.device == "cpu" else "fp16")]
+
+
 def key_list(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
     """A comma-separated command-line list of ``allowed`` keys (an argparse ``type``)."""
     keys = [k.strip() for k in text.split(",") if k.strip()]

@@ -35,13 +35,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from _models import MODEL_KEYS, SIZES, build_case, first_tensor  # noqa: E402
-from _speed_report import machine, write_markdown  # noqa: E402
+from _speed_report import add_markdown_option, machine, write_markdown  # noqa: E402
 from _speed_types import (  # noqa: E402
     CONVERTED,
-    DTYPES,
     OPTIMIZERS,
     VARIANTS,
     Options,
+    add_machine_options,
+    apply_machine_options,
     key_list,
 )
 from _timing import median, paired_ratio, sync  # noqa: E402
@@ -138,9 +139,7 @@ def measure(key: str, opts: Options, steps: int) -> list[str]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--dtype", default=None, choices=tuple(DTYPES),
-                        help="low-precision dtype (default: bf16 on cpu, fp16 on cuda)")
+    add_machine_options(parser)
     parser.add_argument("--size", default="small", choices=SIZES)
     parser.add_argument("--models", default=["launch"],
                         type=lambda t: key_list(t, MODEL_KEYS, "model"),
@@ -153,20 +152,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizer", default="sgd", choices=tuple(OPTIMIZERS))
     parser.add_argument("--rounds", type=int, default=25)
     parser.add_argument("--steps", type=int, default=10, help="steps per variant per round")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--markdown-section", default=None, metavar="NAME",
-                        help="(re)write the <!-- NAME:begin/end --> block of BENCHMARKS.md")
+    add_markdown_option(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: torch sees no CUDA device")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    opts = Options(args.device, DTYPES[args.dtype or ("bf16" if args.device == "cpu" else "fp16")],
+    opts = Options(args.device, apply_machine_options(parser, args),
                    args.size, args.models,
                    sorted({"autocast", *args.variants}, key=VARIANTS.index),
                    [args.shape] if args.shape else None, args.rounds, False, False,

@@ -67,11 +67,12 @@ from _models import MODEL_KEYS, SHAPE_LABELS, SIZES, Case, build_case, describe 
 from _speed_report import Finisher, machine, title  # noqa: E402
 from _speed_types import (  # noqa: E402
     CONVERTED,
-    DTYPES,
     LR,
     OPTIMIZERS,
     PHASES,
     VARIANTS,
+    add_machine_options,
+    apply_machine_options,
     ConvertTime,
     key_list,
     Options,
@@ -276,10 +277,7 @@ def _parser() -> argparse.ArgumentParser:
     # The docstring's title, usage lines and variants.
     parser = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:3]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                        help="where the models run (default: cpu)")
-    parser.add_argument("--dtype", default=None, choices=tuple(DTYPES),
-                        help="low-precision dtype (default: bf16 on cpu, fp16 on cuda)")
+    add_machine_options(parser)
     parser.add_argument("--size", default="small", choices=SIZES,
                         help="small: 4-layer d256 transformers and small MLP/CNN, sized for "
                         "a CPU; realistic: 12 layers, d_model 768, 12 heads, a 1x128 request "
@@ -289,8 +287,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--models", default=",".join(MODEL_KEYS),
                         type=lambda t: key_list(t, MODEL_KEYS, "model"),
                         help="comma-separated model keys: launch (50 tiny LN+Linear blocks, "
-                        "batch 2: per-op overhead), mlp, cnn, gpt (a GPT stack), bert, gpt2 and llama "
-                        "(HF transformers), run in the order given (default: all)")
+                        "batch 2: per-op overhead), mlp, cnn, gpt (a GPT stack), bert, gpt2 and "
+                        "llama (HF transformers), run in the order given (default: all)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         type=lambda t: key_list(t, VARIANTS, "variant"),
                         help="comma-separated variants to run; autocast, the reference of "
@@ -317,8 +315,6 @@ def _parser() -> argparse.ArgumentParser:
                         "and the remaining shapes and models skipped to fit, and if time "
                         "still runs out, the tables measured so far are printed and the run "
                         "ends (default: no limit)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: torch's own choice)")
     parser.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parents[1]
                                              / "BENCHMARKS.md"),
                         help="the markdown file to write the results into (default: the "
@@ -343,11 +339,7 @@ def _section_name(text: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: torch sees no CUDA device")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype or ("bf16" if args.device == "cpu" else "fp16")]
+    dtype = apply_machine_options(parser, args)
     opts = Options(args.device, dtype, args.size, args.models,
                    sorted({"autocast", *args.variants}, key=VARIANTS.index), args.shapes,
                    args.rounds or (5 if args.quick else 25), args.quick, args.compile,

@@ -64,6 +64,7 @@ from ..runtime.low_copies import LOW_COPIES_ATTR, LowPrecisionCopies
 from .classify import ClassifyPass
 from .eliminate_casts import EliminateCastsPass
 from .gather_weights import gather_weights
+from .native_kernels import NativeKernelsPass
 from .pipeline import run_passes
 
 __all__ = ["OPT_LEVELS", "OPT_LEVEL_KEY", "OptLevel", "apply_opt_level", "check_opt_level",
@@ -124,6 +125,7 @@ def apply_opt_level(gm: fx.GraphModule, model: nn.Module, level: str,
                     dtype: torch.dtype) -> fx.GraphModule:
     """Rewrite a freshly captured ``gm`` for ``level`` (``"O0"``, ``"O2"`` or ``"O3"``)."""
     if level == "O0":
+        NativeKernelsPass()(gm)  # O0 computes what the model computes eagerly, at its speed
         gm.meta[OPT_LEVEL_KEY] = OptLevel("O0", None)
         gm.recompile()
         return gm

@@ -1,5 +1,5 @@
 """The pass pipeline of a conversion: drop no-ops, decompose, classify, insert casts, fit
-constants, eliminate casts."""
+constants, eliminate casts, native kernels."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from .drop_noops import DropNoOpsPass
 from .eliminate_casts import EliminateCastsPass, _report
 from .fit_constants import FitConstantsPass
 from .insert_casts import InsertCastsPass
+from .native_kernels import NativeKernelsPass
 
 __all__ = ["amp_passes", "run_passes"]
 
@@ -23,7 +24,8 @@ __all__ = ["amp_passes", "run_passes"]
 def amp_passes(policy: Policy, dtype: torch.dtype) -> list:
     """The graph-to-graph steps of a conversion, in order (each is idempotent)."""
     return [DropNoOpsPass(), DecomposeCompositesPass(policy), ClassifyPass(policy, dtype),
-            InsertCastsPass(policy, dtype), FitConstantsPass(), EliminateCastsPass(policy)]
+            InsertCastsPass(policy, dtype), FitConstantsPass(), EliminateCastsPass(policy),
+            NativeKernelsPass()]
 
 
 def run_passes(gm: fx.GraphModule, policy: Policy, dtype: torch.dtype, *,

@@ -87,7 +87,7 @@ def runner(fn: Callable[..., Any], args: tuple, autocast: tuple[str, torch.dtype
     return run
 
 
-def _inference(run: Callable[[], Any]) -> Callable[[], Any]:
+def inference(run: Callable[[], Any]) -> Callable[[], Any]:
     def forward() -> Any:
         with torch.no_grad():
             return run()
@@ -151,7 +151,7 @@ def phase_fns(phase: str, runs: dict[str, Callable[[], Any]], modules: dict[str,
     """The function each variant times in ``phase``. Training binds O2's masters to its
     optimizer for as long as ``stack`` is open."""
     if phase == "inference":
-        return {name: _inference(run) for name, run in runs.items()}
+        return {name: inference(run) for name, run in runs.items()}
     fns = {}
     for name, run in runs.items():
         try:

@@ -35,6 +35,7 @@ from _hf_zoo import ZOO, Arch  # noqa: E402
 from _speed_report import add_markdown_option, machine, write_markdown  # noqa: E402
 from _speed_types import add_machine_options, apply_machine_options  # noqa: E402
 from _timing import describe_error, interleaved_samples, median, paired_ratio  # noqa: E402
+from _variants import inference  # noqa: E402
 
 VARIANTS = ("preset", "default")
 PHASES = ("inference", "train")
@@ -62,10 +63,7 @@ def _variants(arch: Arch, model: torch.nn.Module, example: tuple[tuple, dict], d
 def _phase(phase: str, arch: Arch, model: torch.nn.Module, run: Callable[[], Any]
            ) -> Callable[[], Any]:
     if phase == "inference":
-        def forward() -> Any:
-            with torch.no_grad():
-                return run()
-        return forward
+        return inference(run)
 
     def step() -> Any:
         loss = arch.loss(run())
@@ -134,9 +132,11 @@ def main(argv: list[str] | None = None) -> None:
     table = tabulate(rows, headers=headers, tablefmt="github")
     ratios = [(float(r[i]), r[0], headers[i]) for r in rows for i in range(2, len(r) - 1)
               if "vs ac" in headers[i] and r[i] != "-"]
-    summary = (f"Lowest ratio: {min(ratios)[0]:.2f} ({min(ratios)[1]}, {min(ratios)[2]}); "
-               f"{sum(1 for r in ratios if r[0] < 1.0)} of {len(ratios)} ratios below 1.0."
-               if ratios else "No ratios measured.")
+    summary = "No ratios measured."
+    if ratios:
+        lowest, name, column = min(ratios)
+        summary = (f"Lowest ratio: {lowest:.2f} ({name}, {column}); "
+                   f"{sum(1 for r in ratios if r[0] < 1.0)} of {len(ratios)} ratios below 1.0.")
     print("\n" + table + "\n\n" + summary)
     if args.markdown_section:
         command = " ".join(["python benchmarks/bench_zoo.py",

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from .capture.converted import capture_converted, is_converted
 from .capture.export import Regime, capture_export
+from .capture.persistence import match_persistence
 from .capture.state import preserved_global_state
 from .capture.symbolic import capture_symbolic, propagate_meta
 from .errors import AmpRewriteError
@@ -167,6 +168,7 @@ def _export_and_rewrite(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
 def _rewrite(gm: fx.GraphModule, model: nn.Module, policy: Policy, low: torch.dtype,
              opt_level: str, calibration: list[CalibrationInput] | None = None) -> fx.GraphModule:
     gm.meta.pop(META_KEY, None)
+    match_persistence(gm, model)
     if opt_level != "O1":
         return apply_opt_level(gm, model, opt_level, low)
     _check_override_names(gm, policy)

@@ -135,6 +135,36 @@ def test_model_untouched_and_parameters_shared(capture: str, training: bool) -> 
     assert set(gm.state_dict()) <= set(model.state_dict())
 
 
+class WithUnsavedTensors(nn.Module):
+    """A non-persistent buffer (as Hugging Face's rotary ``inv_freq``) and a tensor literal
+    in the forward, which torch.export lifts into a buffer of its graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("inv_freq", torch.ones(4), persistent=False)
+        self.register_buffer("offset", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.inv_freq + self.offset + torch.tensor([0.5])
+
+
+@pytest.mark.parametrize("capture,opt_level", [("symbolic", "O1"), ("export", "O0"),
+                                               ("export", "O1"), ("export", "O2"),
+                                               ("export", "O3")])
+def test_state_dict_has_the_models_keys_only(capture: str, opt_level: str) -> None:
+    model = WithUnsavedTensors()
+    inputs = (torch.randn(2, 4),) if capture == "export" else None
+    gm = amprewrite.convert(model, inputs, capture=capture, opt_level=opt_level,
+                            dtype=None if opt_level == "O0" else torch.bfloat16)
+    assert set(gm.state_dict()) == set(model.state_dict()) == {"fc.weight", "fc.bias",
+                                                                "offset"}
+    gm.load_state_dict(model.state_dict())  # strict, both ways
+    WithUnsavedTensors().load_state_dict(gm.state_dict())
+    again = amprewrite.convert(gm, inputs, capture=capture)  # a converted module, converted
+    assert set(again.state_dict()) == set(model.state_dict())
+
+
 def test_eval_on_converted_module_keeps_model_training_flag() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
     gm = amprewrite.convert(model)

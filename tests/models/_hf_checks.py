@@ -172,7 +172,7 @@ def _expect_unchanged(what: str, model: nn.Module, before: dict[str, torch.Tenso
 
 def check_default(arch: Arch) -> None:
     """``convert`` with the default policy, eval mode: finite, within 2x autocast's error,
-    and the user's model is left as it was."""
+    the user's model is left as it was, and the converted module saves the model's keys."""
     model, example = arch.build(), arch.example()
     fp32, autocast = _eager_outputs(arch, copy.deepcopy(model), example)
     before = _snapshot(model)
@@ -181,6 +181,9 @@ def check_default(arch: Arch) -> None:
         out = arch.output(_call(gm, example))
     _expect_close_to_fp32("default", out, fp32, autocast)
     _expect_unchanged("convert + forward", model, before)
+    extra = sorted(set(gm.state_dict()) - set(before))
+    _expect(not extra, lambda: f"the converted module's state_dict has {len(extra)} keys the "
+                               f"model's has not (they would not load into it): {extra[:3]}")
 
 
 def check_preset_outputs(arch: Arch) -> None:

@@ -47,7 +47,7 @@ import torch.nn as nn
 
 from ..errors import AmpRewriteError
 from ..graph.queries import mutated
-from .facts import GRAD_KEY, REGION_KEY, TRACED_IN_FP32, Region
+from .facts import GRAD_KEY, LIFTED_CONSTANTS, REGION_KEY, TRACED_IN_FP32, Region
 from .guards import fast_input_guards
 
 __all__ = ["capture_export", "Regime"]
@@ -89,6 +89,8 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
     unlifted = ep.module()
     gm = fx.GraphModule(unlifted, unlifted.graph, class_name=type(model).__name__)
     gm.meta[TRACED_IN_FP32] = regime is None
+    # NB: not ep.constants, which holds the model's non-persistent buffers too
+    gm.meta[LIFTED_CONSTANTS] = frozenset(ep.graph_signature.lifted_tensor_constants)
     fast_input_guards(gm)
     _inline_regions(gm)
     _drop_dtype_assertions(gm)

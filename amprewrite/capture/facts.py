@@ -11,7 +11,8 @@ import dataclasses
 
 import torch
 
-__all__ = ["REGION_KEY", "GRAD_KEY", "Region", "GRAD_MODE_FUNCTIONS", "TRACED_IN_FP32"]
+__all__ = ["REGION_KEY", "GRAD_KEY", "Region", "GRAD_MODE_FUNCTIONS", "TRACED_IN_FP32",
+           "LIFTED_CONSTANTS"]
 
 REGION_KEY = "amprewrite_autocast"
 """``node.meta[REGION_KEY]``: the innermost ``torch.autocast`` region of the model's own code
@@ -38,3 +39,9 @@ GRAD_MODE_FUNCTIONS = (torch.is_grad_enabled, torch._C._set_grad_enabled)
 
 TRACED_IN_FP32 = "amprewrite_traced_in_fp32"
 """``gm.meta`` key: the capture ran the model's Python in fp32, not in the AMP regime."""
+
+
+LIFTED_CONSTANTS = "amprewrite_lifted_constants"
+"""``gm.meta`` key: the attributes (``get_attr`` targets) that hold tensors the capture lifted
+out of the model's code (``torch.tensor([...])`` in a forward): values of the code, not state
+of the model, though ``torch.export`` registers them as buffers of the graph's module."""

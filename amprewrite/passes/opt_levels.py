@@ -3,7 +3,9 @@
 
 Apex's four levels, as graph rewrites of a captured model:
 
-* ``O0``: fp32, no casts; the captured graph unchanged (the faithful baseline).
+* ``O0``: fp32, no casts; the captured graph as it is (the faithful baseline), but for the
+  two speed passes every level runs: constant subgraphs computed once, traced-only fallback
+  ops routed to eager code's kernel.
 * ``O1``: the per-op policy (autocast's lists).
 * ``O2``: "almost fp16". Floating inputs are cast to the low dtype at the entry and every
   parameter is read as a stored low-precision copy of its fp32 master
@@ -63,6 +65,7 @@ from ..runtime.functions import guarded_cast
 from ..runtime.low_copies import LOW_COPIES_ATTR, LowPrecisionCopies
 from .classify import ClassifyPass
 from .eliminate_casts import EliminateCastsPass
+from .fold_constants import FoldConstantsPass
 from .gather_weights import gather_weights
 from .native_kernels import NativeKernelsPass
 from .pipeline import run_passes
@@ -125,7 +128,9 @@ def apply_opt_level(gm: fx.GraphModule, model: nn.Module, level: str,
                     dtype: torch.dtype) -> fx.GraphModule:
     """Rewrite a freshly captured ``gm`` for ``level`` (``"O0"``, ``"O2"`` or ``"O3"``)."""
     if level == "O0":
-        NativeKernelsPass()(gm)  # O0 computes what the model computes eagerly, at its speed
+        # O0 computes what the model computes eagerly, at its speed
+        FoldConstantsPass()(gm)
+        NativeKernelsPass()(gm)
         gm.meta[OPT_LEVEL_KEY] = OptLevel("O0", None)
         gm.recompile()
         return gm

@@ -1,5 +1,5 @@
 """The pass pipeline of a conversion: drop no-ops, decompose, classify, insert casts, fit
-constants, eliminate casts, native kernels."""
+constants, eliminate casts, fold constants, native kernels."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from .decompose import DecomposeCompositesPass
 from .drop_noops import DropNoOpsPass
 from .eliminate_casts import EliminateCastsPass, _report
 from .fit_constants import FitConstantsPass
+from .fold_constants import FoldConstantsPass
 from .insert_casts import InsertCastsPass
 from .native_kernels import NativeKernelsPass
 
@@ -25,7 +26,7 @@ def amp_passes(policy: Policy, dtype: torch.dtype) -> list:
     """The graph-to-graph steps of a conversion, in order (each is idempotent)."""
     return [DropNoOpsPass(), DecomposeCompositesPass(policy), ClassifyPass(policy, dtype),
             InsertCastsPass(policy, dtype), FitConstantsPass(), EliminateCastsPass(policy),
-            NativeKernelsPass()]
+            FoldConstantsPass(), NativeKernelsPass()]
 
 
 def run_passes(gm: fx.GraphModule, policy: Policy, dtype: torch.dtype, *,

@@ -14,6 +14,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 import amprewrite
+from amprewrite.capture.facts import LIFTED_CONSTANTS
 from amprewrite.passes import fold_constants
 from amprewrite.passes.fold_constants import FoldConstantsPass
 
@@ -27,7 +28,7 @@ def targets(gm: fx.GraphModule) -> list:
 
 def folded_attrs(gm: fx.GraphModule) -> list[str]:
     """The constants the pass stored (a converted module reads them with its weights)."""
-    return sorted(name for name in vars(gm) if name.startswith("folded_"))
+    return sorted(name for name in [*vars(gm), *gm._buffers] if name.startswith("folded_"))
 
 
 def grads(model: nn.Module) -> list[torch.Tensor]:
@@ -226,6 +227,43 @@ def test_a_buffer_is_state_not_a_constant() -> None:
     assert torch.equal(gm(torch.ones(4)), torch.full((4,), 6.0))
 
 
+class LiteralScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * (torch.tensor([1.0, 2.0, 3.0]) * 2)
+
+
+def test_a_value_from_an_exported_literal_moves_with_the_module() -> None:
+    x = torch.randn(2, 3)
+    gm = amprewrite.convert(LiteralScale(), (x,), policy=BF16)
+    # torch.export lifted the literal as a buffer, so its folded product is one too ...
+    assert folded_attrs(gm) == ["folded_mul"]
+    assert "folded_mul" not in gm.state_dict()
+    gm.to("meta")
+    # ... and goes where .to() sends the module, as the literal itself would have
+    assert gm(x.to("meta")).device.type == "meta"
+
+
+def test_a_value_from_a_plain_attribute_stays_one() -> None:
+    """A constant from a plain attribute (a stored constant of an earlier conversion) is kept
+    as one, which .to() leaves where it is."""
+    root = nn.Module()
+    root.table = torch.arange(3.0)
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    doubled = graph.call_function(aten.mul.Tensor, (graph.get_attr("table"), 2))
+    graph.output(graph.call_function(aten.add.Tensor, (x, doubled)))
+    gm = fx.GraphModule(root, graph)
+    del gm._buffers["table"]  # fx.GraphModule registers every tensor it copies as a buffer
+    gm.table = root.table
+    assert FoldConstantsPass()(gm).modified is True
+    assert folded_attrs(gm) == ["folded_mul_tensor"] and not gm._buffers
+    assert torch.equal(gm(torch.zeros(3)), torch.tensor([0.0, 2.0, 4.0]))
+
+
 def test_a_value_over_the_size_limit_stays_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fold_constants, "MAX_FOLDED_BYTES", 99)
     model = Encoder()
@@ -247,6 +285,7 @@ def test_a_literal_the_graph_writes_to_is_not_folded() -> None:
     bumped = graph.call_function(aten.add_.Tensor, (counter, 1))
     graph.output(graph.call_function(aten.add.Tensor, (x, bumped)))
     gm = fx.GraphModule(root, graph)
+    gm.meta[LIFTED_CONSTANTS] = frozenset({"counter"})  # a literal, as torch.export marks them
     assert FoldConstantsPass()(gm).modified is False
     assert torch.equal(gm.counter, torch.zeros(2))  # the pass did not run the write on it
     assert torch.equal(gm(torch.zeros(2)), torch.ones(2))

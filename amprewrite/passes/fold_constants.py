@@ -40,8 +40,11 @@ op, not a random one, whose inputs are all constant; casts and
 
 The computation runs at conversion on the graph's own ops, devices and dtypes (the casts of
 the policy are already in the graph), so the stored values are bitwise those a call computes.
-Equal values are stored once. The constants are plain attributes, as the capture's own
-lifted literals are: not in ``state_dict``, not weights that O2 stores in the low dtype.
+Equal values are stored once, neither in ``state_dict`` nor as weights that O2 stores in the
+low dtype. A value is kept the way its literals were: a non-persistent buffer where the
+capture registered one of them as a buffer (``torch.export`` lifts literals so), so that
+``gm.to(device)`` moves it as it moved them; else a plain attribute, as torch.fx keeps the
+literals of traced code, which stay on the device the code names.
 Nothing folds under a fake mode (the ``torch.compile`` backend: Inductor folds constants
 itself) or on the meta device.
 """
@@ -198,7 +201,8 @@ class FoldConstantsPass(PassBase):
             return PassResult(gm, False)  # nothing starts a constant subgraph
         values = self._evaluate(gm, nodes, literal)
         folded = self._settle(nodes, literal, values)
-        modified = self._store(gm, folded, values) > 0
+        buffers = {name for name, _ in gm.named_buffers()}
+        modified = self._store(gm, folded, values, _from_buffers(nodes, folded, buffers)) > 0
         for node in reversed(nodes):
             if node in folded and not node.users:
                 gm.graph.erase_node(node)  # NB: by hand: DCE keeps in-place ops
@@ -282,20 +286,25 @@ class FoldConstantsPass(PassBase):
                     folded.discard(node)
 
     @staticmethod
-    def _store(gm: fx.GraphModule, folded: set[fx.Node], values: dict[fx.Node, Any]) -> int:
-        """Replace each folded node read from outside the set by a stored constant."""
-        stored: list[tuple[str, torch.Tensor]] = []
+    def _store(gm: fx.GraphModule, folded: set[fx.Node], values: dict[fx.Node, Any],
+               as_buffer: set[fx.Node]) -> int:
+        """Replace each folded node read from outside the set by a stored constant: a
+        non-persistent buffer if it is in ``as_buffer``, else a plain attribute."""
+        stored: list[tuple[str, torch.Tensor, bool]] = []
         count = 0
         for node in list(gm.graph.nodes):
             if node not in folded or node.op == "get_attr" or \
                     all(u in folded for u in node.users):
                 continue
-            value = _compact(values[node])
-            name = next((n for n, v in stored if _same(v, value)), None)
+            value, buffer = _compact(values[node]), node in as_buffer
+            name = next((n for n, v, b in stored if b == buffer and _same(v, value)), None)
             if name is None:
                 name = _free_name(gm, _PREFIX + node.name)
-                setattr(gm, name, value)
-                stored.append((name, value))
+                if buffer:
+                    gm.register_buffer(name, value, persistent=False)
+                else:
+                    setattr(gm, name, value)
+                stored.append((name, value, buffer))
             with gm.graph.inserting_before(node):
                 read = gm.graph.create_node("get_attr", name)
             for key in ("val", "tensor_meta", "stack_trace", "nn_module_stack"):
@@ -304,6 +313,16 @@ class FoldConstantsPass(PassBase):
             node.replace_all_uses_with(read)
             count += 1
         return count
+
+
+def _from_buffers(nodes: list[fx.Node], folded: set[fx.Node], buffers: set[str]) -> set[fx.Node]:
+    """The folded nodes computed from a literal the capture registered as a buffer."""
+    out: set[fx.Node] = set()
+    for node in nodes:
+        if node in folded and (node.target in buffers if node.op == "get_attr"
+                               else any(i in out for i in node.all_input_nodes)):
+            out.add(node)
+    return out
 
 
 def _storable(value: Any) -> bool:

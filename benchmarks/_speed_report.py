@@ -235,6 +235,22 @@ def write_markdown(path: pathlib.Path, section: str, block: list[str]) -> None:
     path.write_text(new)
 
 
+def write_section(section: str, title: str, script: str, argv: list[str], device: str,
+                  doc: str, body: list[str]) -> None:
+    """(Re)write block ``section`` of the repository's BENCHMARKS.md as the benchmark
+    scripts lay it out: ``title``, the command that reproduces it (``script`` run with
+    ``argv``), the machine, the paragraph of ``doc`` after its title (what is measured), then
+    ``body``."""
+    command = " ".join([f"python benchmarks/{script}", *argv])
+    block = [f"## {title}", "", f"Command: `{command}`  ", f"Machine: {machine(device)}", "",
+             doc.split("\n\n")[1].replace("\n", " "), "", *body]
+    while block[-1] == "":
+        block.pop()
+    out = pathlib.Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
+    write_markdown(out, section, block)
+    print(f"wrote the '{section}' section of {out}")
+
+
 class Finisher:
     """Prints the tables, and writes the markdown, exactly once: when the run ends, or when
     the time budget runs out first (then from a timer thread, with what was measured so

@@ -29,7 +29,6 @@ import sys
 import time
 from typing import Any, Callable, NamedTuple
 
-import torch
 from tabulate import tabulate
 from torch.profiler import ProfilerActivity, profile
 
@@ -37,7 +36,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from _models import MODEL_KEYS, SHAPE_LABELS, SIZES, build_case  # noqa: E402
-from _speed_report import add_markdown_option, machine, write_markdown  # noqa: E402
+from _speed_report import add_markdown_option, machine, write_section  # noqa: E402
 from _speed_types import (  # noqa: E402
     PHASES,
     Options,
@@ -172,8 +171,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     opts = Options(args.device, apply_machine_options(parser, args), args.size, args.models,
                    ["autocast", "preset"], args.shapes, args.rounds, False, False, "sgd")
-    command = " ".join(["python benchmarks/bench_ceiling.py",
-                        *(argv if argv is not None else sys.argv[1:])])
     print(f"Machine: {machine(opts.device)}\n", flush=True)
     rows = [row for key in opts.models for row in measure(key, opts)]
     table = tabulate(rows, headers=HEADERS, tablefmt="github")
@@ -189,13 +186,11 @@ def main(argv: list[str] | None = None) -> None:
               "swings, a few percent).")
     print(f"\n{table}\n\n{legend}")
     if args.markdown_section:
-        block = [f"## How much faster a rewrite can be: {opts.device}, "
-                 f"{str(opts.dtype).removeprefix('torch.')}, {opts.size} sizes", "",
-                 f"Command: `{command}`  ", f"Machine: {machine(opts.device)}", "",
-                 __doc__.split("\n\n")[1].replace("\n", " "), "", table, "", legend]
-        out = pathlib.Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
-        write_markdown(out, args.markdown_section, block)
-        print(f"wrote the '{args.markdown_section}' section of {out}")
+        write_section(args.markdown_section,
+                      f"How much faster a rewrite can be: {opts.device}, "
+                      f"{str(opts.dtype).removeprefix('torch.')}, {opts.size} sizes",
+                      "bench_ceiling.py", argv if argv is not None else sys.argv[1:],
+                      opts.device, __doc__, [table, "", legend])
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from _models import MODEL_KEYS, SIZES, build_case, first_tensor  # noqa: E402
-from _speed_report import add_markdown_option, machine, write_markdown  # noqa: E402
+from _speed_report import add_markdown_option, machine, write_section  # noqa: E402
 from _speed_types import (  # noqa: E402
     CONVERTED,
     OPTIMIZERS,
@@ -164,20 +164,16 @@ def main(argv: list[str] | None = None) -> None:
                    sorted({"autocast", *args.variants}, key=VARIANTS.index),
                    [args.shape] if args.shape else None, args.rounds, False, False,
                    args.optimizer)
-    command = " ".join(["python benchmarks/bench_phases.py",
-                        *(argv if argv is not None else sys.argv[1:])])
     print(f"Machine: {machine(opts.device)}\n", flush=True)
     lines = []
     for key in opts.models:
         lines += measure(key, opts, args.steps) + [""]
     if args.markdown_section:
-        block = [f"## A training step by phase against torch.autocast: {opts.device}, "
-                 f"{str(opts.dtype).removeprefix('torch.')}, {opts.size} sizes", "",
-                 f"Command: `{command}`  ", f"Machine: {machine(opts.device)}", "",
-                 __doc__.split("\n\n")[1].replace("\n", " "), "", *lines]
-        out = pathlib.Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
-        write_markdown(out, args.markdown_section, block[:-1] if not block[-1] else block)
-        print(f"wrote the '{args.markdown_section}' section of {out}")
+        write_section(args.markdown_section,
+                      f"A training step by phase against torch.autocast: {opts.device}, "
+                      f"{str(opts.dtype).removeprefix('torch.')}, {opts.size} sizes",
+                      "bench_phases.py", argv if argv is not None else sys.argv[1:],
+                      opts.device, __doc__, lines)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 import amprewrite  # noqa: E402
 from _hf_zoo import ZOO, Arch  # noqa: E402
-from _speed_report import add_markdown_option, machine, write_markdown  # noqa: E402
+from _speed_report import add_markdown_option, machine, write_section  # noqa: E402
 from _speed_types import add_machine_options, apply_machine_options  # noqa: E402
 from _timing import describe_error, interleaved_samples, median, paired_ratio  # noqa: E402
 from _variants import inference  # noqa: E402
@@ -139,15 +139,11 @@ def main(argv: list[str] | None = None) -> None:
                    f"{sum(1 for r in ratios if r[0] < 1.0)} of {len(ratios)} ratios below 1.0.")
     print("\n" + table + "\n\n" + summary)
     if args.markdown_section:
-        command = " ".join(["python benchmarks/bench_zoo.py",
-                            *(argv if argv is not None else sys.argv[1:])])
-        block = [f"## Speed against torch.autocast on the Hugging Face zoo: {args.device}, "
-                 f"{str(low).removeprefix('torch.')}", "",
-                 f"Command: `{command}`  ", f"Machine: {machine(args.device)}", "",
-                 __doc__.split("\n\n")[1].replace("\n", " "), "", table, "", summary]
-        out = ROOT / "BENCHMARKS.md"
-        write_markdown(out, args.markdown_section, block)
-        print(f"wrote the '{args.markdown_section}' section of {out}")
+        write_section(args.markdown_section,
+                      f"Speed against torch.autocast on the Hugging Face zoo: {args.device}, "
+                      f"{str(low).removeprefix('torch.')}", "bench_zoo.py",
+                      argv if argv is not None else sys.argv[1:], args.device, __doc__,
+                      [table, "", summary])
 
 
 if __name__ == "__main__":

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from typing import Iterator
 
 import pytest
 import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``-n``), each worker takes its share of the cores for torch's
+    threads: two workers with a thread per core each would run twice as many threads as the
+    machine has, and each op would wait for the other worker's."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, torch.get_num_threads() // int(workers)))
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ compared by their medians. On CUDA every clock read follows ``torch.cuda.synchro
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import statistics
@@ -17,8 +18,9 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Budget", "CastCount", "CastCounter", "Samples", "count_casts", "describe_error",
-           "interleaved_samples", "median", "paired_ratio", "recover", "step_memory_mb", "sync"]
+__all__ = ["Budget", "CastCount", "CastCounter", "OpCounter", "Samples", "count_casts",
+           "count_ops", "describe_error", "interleaved_samples", "median", "paired_ratio",
+           "recover", "step_memory_mb", "sync"]
 
 _aten = torch.ops.aten
 
@@ -76,6 +78,30 @@ def count_casts(fn: Callable[[], Any], weights: Iterable[torch.Tensor]) -> CastC
     with counter:
         fn()
     return counter.count
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen ops a run dispatches, by overload, below autocast and autograd (an op
+    autocast casts the inputs of counts once, its casts apart): ``calls`` so far, and
+    ``ops[overload]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.ops: collections.Counter[Any] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.calls += 1
+        self.ops[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn: Callable[[], Any]) -> collections.Counter[Any]:
+    """The ATen ops of one call of ``fn`` (overload -> calls), from an :class:`OpCounter`."""
+    counter = OpCounter()
+    with counter:
+        fn()
+    return counter.ops
 
 
 def sync(device: str) -> None:

@@ -10,6 +10,12 @@ their share of autocast's time, the *ceiling* (one over that share: the ratio to
 a rewrite with no overhead at all) and the preset's measured ratio. Where a target lies
 above the ceiling, no rewrite with autocast's numerics reaches it: the kernels decide.
 
+It also counts the ATen ops one call of each dispatches, and those of the preset's that
+autocast does not run (casts apart). Where there are none, the preset's ops are autocast's
+minus some casts, and the rest of its gain can only be host time around the ops: the eager
+model's Python and autocast's per-op dispatch, which in a training step is the forward's
+share alone (the backward and the optimizer run the same ops from the same C++ and Python).
+
     python benchmarks/bench_ceiling.py --models gpt,bert,gpt2,llama --shapes single --threads 1
     python benchmarks/bench_ceiling.py --models gpt,bert,gpt2,llama --shapes single \
         --threads 1 --markdown-section cpu-ceiling     # also (re)writes that block of BENCHMARKS.md
@@ -29,6 +35,7 @@ import sys
 import time
 from typing import Any, Callable, NamedTuple
 
+import torch
 from tabulate import tabulate
 from torch.profiler import ProfilerActivity, profile
 
@@ -44,7 +51,7 @@ from _speed_types import (  # noqa: E402
     apply_machine_options,
     key_list,
 )
-from _timing import interleaved_samples, median, paired_ratio, sync  # noqa: E402
+from _timing import count_ops, interleaved_samples, median, paired_ratio, sync  # noqa: E402
 from _variants import convert_variants, phase_fns, restored, runner  # noqa: E402
 
 COMPUTE_KERNELS = (
@@ -104,6 +111,20 @@ def profiles(fns: dict[str, Callable[[], Any]], seconds: dict[str, float], devic
     return samples
 
 
+_CAST = torch.ops.aten._to_copy.default
+
+
+def op_counts(autocast: Callable[[], Any], preset: Callable[[], Any]) -> str:
+    """``"ac / preset (+extra)"``: the ATen ops one call of each dispatches, and how many of
+    the preset's are not among autocast's (a multiset difference; casts apart). With
+    ``+0`` the preset runs autocast's ops minus some of its casts: what it can gain beyond
+    those casts is host time around the ops (Python, autocast's per-op dispatch), not
+    work inside them."""
+    ac, pre = count_ops(autocast), count_ops(preset)
+    extra = sum(n for op, n in (pre - ac).items() if op is not _CAST)
+    return f"{sum(ac.values())} / {sum(pre.values())} (+{extra})"
+
+
 def measure(key: str, opts: Options) -> list[list[Any]]:
     """One row per shape and phase of model ``key``."""
     case = build_case(key, opts.size, opts.device, quick=False, labels=opts.shapes)
@@ -111,7 +132,7 @@ def measure(key: str, opts: Options) -> list[list[Any]]:
     for args, description in case.shapes.values():
         converted, _, errors = convert_variants(case, args, ["preset"], opts)
         if errors:
-            rows.append([case.name, description, "-", errors["preset"]] + ["-"] * 4)
+            rows.append([case.name, description, "-", errors["preset"]] + ["-"] * 5)
             continue
         modules = {"autocast": case.model, "preset": converted["preset"]}
         runs = {"autocast": runner(case.model, args, (opts.device, opts.dtype)),
@@ -126,9 +147,10 @@ def measure(key: str, opts: Options) -> list[list[Any]]:
                 if not failed:
                     profiled = profiles(fns, {n: median(t) for n, t in
                                               samples.seconds.items()}, opts.device)
+                    ops = op_counts(fns["autocast"], fns["preset"])
             if failed:
                 rows.append([case.name, description, phase,
-                             "; ".join(f"{n}: {e}" for n, e in failed.items())] + ["-"] * 4)
+                             "; ".join(f"{n}: {e}" for n, e in failed.items())] + ["-"] * 5)
                 continue
             ac, pre = profiled["autocast"], profiled["preset"]
             # Taken within each profile, so that the load of the moment weighs on both terms;
@@ -141,13 +163,14 @@ def measure(key: str, opts: Options) -> list[list[Any]]:
                 f"{share:.0%}",
                 f"{1 / share:.2f}" + (" *" if 1 / share < TARGETS[phase] else ""),
                 f"{paired_ratio(samples.seconds['autocast'], samples.seconds['preset']):.2f}",
+                ops,
             ])
         print(tabulate(rows[-len(PHASES):], tablefmt="plain"), flush=True)
     return rows
 
 
 HEADERS = ["model", "shape", "phase", "autocast ms", "kernels ms ac / preset",
-           "kernels' share of ac", "ceiling", "preset vs ac"]
+           "kernels' share of ac", "ceiling", "preset vs ac", "ATen ops ac / preset"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -183,7 +206,12 @@ def main(argv: list[str] | None = None) -> None:
               f"{TARGETS['inference']}x in inference, {TARGETS['train step']}x per training "
               "step); `preset vs ac`: the measured ratio, median over the timing rounds (taken "
               "apart from the profiles: on a loaded machine the two can differ by the load's "
-              "swings, a few percent).")
+              "swings, a few percent); `ATen ops`: the ops one call dispatches (counted "
+              "below autocast and autograd, so an op whose inputs autocast casts counts once "
+              "and its casts apart), and in parentheses how many of the preset's are not among "
+              "autocast's, casts apart: with +0 the preset runs autocast's ops minus some "
+              "casts, and what it gains beyond those casts is host time around the ops "
+              "(Python, autocast's per-op dispatch).")
     print(f"\n{table}\n\n{legend}")
     if args.markdown_section:
         write_section(args.markdown_section,

@@ -27,8 +27,8 @@ import torch
 import torch.nn as nn
 from _models import GPT, LaunchBound
 from _speed_report import write_markdown
+from _timing import OpCounter
 from tabulate import tabulate
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import amprewrite
 
@@ -36,26 +36,15 @@ COMMAND = "python benchmarks/bench_grad_arrival.py --update-md"
 DTYPE = torch.bfloat16
 
 
-class _OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-                           ) -> Any:
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
 def arrivals(model: nn.Module, run: Callable[[], torch.Tensor], lowered: set[str]
              ) -> list[float]:
     """The share of the backward's ops run when each ``lowered`` parameter's gradient arrived."""
-    counter = _OpCounter()
+    counter = OpCounter()
     seen: dict[str, int] = {}
 
     def hook(name: str) -> Callable[[torch.Tensor], None]:
         def record(param: torch.Tensor) -> None:
-            seen.setdefault(name, counter.ops)
+            seen.setdefault(name, counter.calls)
         return record
 
     hooks = [p.register_post_accumulate_grad_hook(hook(name))
@@ -68,7 +57,7 @@ def arrivals(model: nn.Module, run: Callable[[], torch.Tensor], lowered: set[str
     finally:
         for hook in hooks:
             hook.remove()
-    return [seen[name] / counter.ops for name in lowered if name in seen]
+    return [seen[name] / counter.calls for name in lowered if name in seen]
 
 
 def _cases() -> list[tuple[str, nn.Module, tuple]]:

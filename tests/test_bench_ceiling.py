@@ -1,5 +1,5 @@
-"""The ceiling benchmark's measure: the time a call spends in the shared compute kernels,
-and nothing else counted as such."""
+"""The ceiling benchmark's measures: the time a call spends in the shared compute kernels, and
+nothing else counted as such; the ATen ops the preset runs beyond autocast's."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import sys
 
 import torch
 
+import amprewrite
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
-from bench_ceiling import COMPUTE_KERNELS, _profiled  # noqa: E402
+from bench_ceiling import COMPUTE_KERNELS, _profiled, op_counts  # noqa: E402
 
 
 def test_matmuls_count_as_kernels_and_elementwise_ops_do_not() -> None:
@@ -37,3 +39,21 @@ def test_the_kernels_are_the_ops_a_linear_and_its_backward_bottom_out_in() -> No
     names = {e.key for e in prof.key_averages()}
     assert {"aten::addmm", "aten::mm"} <= names
     assert {"aten::addmm", "aten::mm"} <= set(COMPUTE_KERNELS)
+
+
+def test_op_counts_show_the_ops_the_preset_runs_beyond_autocasts() -> None:
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(8, 8), torch.randn(2, 8)
+
+    def autocast() -> torch.Tensor:
+        with torch.autocast("cpu", torch.bfloat16):
+            return layer(x)
+
+    gm = amprewrite.convert(layer, (x,), policy=amprewrite.Policy.autocast("cpu", torch.bfloat16))
+    with torch.no_grad():
+        gm(x)  # makes the cached weight copies
+        # autocast: x, weight and bias cast, t, addmm; the preset: x cast, t, addmm
+        assert op_counts(autocast, lambda: gm(x)) == "5 / 3 (+0)"
+    assert op_counts(autocast, lambda: (autocast(), x.relu())) == "5 / 6 (+1)"
+    # a cast more is not an op the preset adds: casts are counted apart
+    assert op_counts(autocast, lambda: (autocast(), x.to(torch.bfloat16))) == "5 / 6 (+0)"

@@ -82,8 +82,8 @@ def count_casts(fn: Callable[[], Any], weights: Iterable[torch.Tensor]) -> CastC
 
 class OpCounter(TorchDispatchMode):
     """Counts the ATen ops a run dispatches, by overload, below autocast and autograd (an op
-    autocast casts the inputs of counts once, its casts apart): ``calls`` so far, and
-    ``ops[overload]``."""
+    whose inputs autocast casts counts once, and each of those casts as an op of its own):
+    ``calls`` so far, and ``ops[overload]``."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -64,6 +64,9 @@ class Options:
     quick: bool
     compile: bool
     optimizer: str
+    inference_mode: bool = False
+    """Whether the inference phase runs under ``torch.inference_mode()`` (else ``no_grad``)."""
+    phases: tuple[str, ...] = PHASES
 
 
 @dataclasses.dataclass

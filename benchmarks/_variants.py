@@ -87,9 +87,13 @@ def runner(fn: Callable[..., Any], args: tuple, autocast: tuple[str, torch.dtype
     return run
 
 
-def inference(run: Callable[[], Any]) -> Callable[[], Any]:
+def inference(run: Callable[[], Any], inference_mode: bool = False) -> Callable[[], Any]:
+    """``run`` under ``torch.no_grad()``, or under ``torch.inference_mode()``, as serving code
+    often runs a model: no autograd dispatch at all, and tensors without version counters."""
+    context = torch.inference_mode if inference_mode else torch.no_grad
+
     def forward() -> Any:
-        with torch.no_grad():
+        with context():
             return run()
     return forward
 
@@ -151,7 +155,7 @@ def phase_fns(phase: str, runs: dict[str, Callable[[], Any]], modules: dict[str,
     """The function each variant times in ``phase``. Training binds O2's masters to its
     optimizer for as long as ``stack`` is open."""
     if phase == "inference":
-        return {name: inference(run) for name, run in runs.items()}
+        return {name: inference(run, opts.inference_mode) for name, run in runs.items()}
     fns = {}
     for name, run in runs.items():
         try:

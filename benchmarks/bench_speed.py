@@ -15,7 +15,8 @@ amprewrite with ``Policy(dtype=...)`` (CUDA AMP rules, shared activation casts);
 ``O3``: ``convert(..., opt_level="O2"/"O3", dtype=...)`` (low-precision weights with fp32
 masters; everything in low precision on the module's own weights).
 
-Phases: an inference forward under ``torch.no_grad``, and a training step: forward, loss
+Phases (``--phases``): an inference forward under ``torch.no_grad`` (``--inference-mode``:
+under ``torch.inference_mode``, as serving code often runs), and a training step: forward, loss
 (outside autocast, as the AMP recipes take it), backward, ``optimizer.step()`` and
 ``optimizer.zero_grad()``. Every variant steps its own optimizer, of the same kind, over its
 own parameters: O2's are the fp32 masters bound with ``amprewrite.MasterWeights`` (the step
@@ -172,12 +173,12 @@ def _measure_shape(case: Case, shape: str, modules: dict[str, nn.Module],
     # O3's own low-precision tensors count as weights too (none of them should be cast).
     weights = [t for m in {id(m): m for m in modules.values()}.values()
                for t in list(m.parameters()) + list(m.buffers())]
-    for i, phase in enumerate(PHASES):
+    for i, phase in enumerate(opts.phases):
         report.progress = f"{case.name}, {description}, {phase}"
         failed = dict(convert_errors)
         # The phases left share what is left of this shape's time.
         phase_deadline = None if deadline is None else \
-            time.perf_counter() + max(deadline - time.perf_counter(), 0.0) / (len(PHASES) - i)
+            time.perf_counter() + max(deadline - time.perf_counter(), 0.0) / (len(opts.phases) - i)
         with contextlib.ExitStack() as stack:
             if phase == "train step":
                 stack.enter_context(restored(case.model))
@@ -302,6 +303,12 @@ def _parser() -> argparse.ArgumentParser:
                         "batch of 2); models with none of them are skipped (default: all)")
     parser.add_argument("--compile", action="store_true",
                         help="wrap every variant in torch.compile (default backend, Inductor)")
+    parser.add_argument("--phases", default=",".join(PHASES),
+                        type=lambda t: key_list(t, PHASES, "phase"),
+                        help=f"comma-separated phases to run (default: {','.join(PHASES)})")
+    parser.add_argument("--inference-mode", action="store_true",
+                        help="run the inference phase under torch.inference_mode() instead of "
+                        "torch.no_grad(), as serving code often does")
     parser.add_argument("--optimizer", default="sgd", choices=tuple(OPTIMIZERS),
                         help=f"the optimizer of every variant's training step, lr {LR:g} "
                         "(default: sgd)")
@@ -343,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     opts = Options(args.device, dtype, args.size, args.models,
                    sorted({"autocast", *args.variants}, key=VARIANTS.index), args.shapes,
                    args.rounds or (5 if args.quick else 25), args.quick, args.compile,
-                   args.optimizer)
+                   args.optimizer, args.inference_mode, tuple(args.phases))
     command = " ".join(["python benchmarks/bench_speed.py",
                         *(argv if argv is not None else sys.argv[1:])])
     units = sum(len(describe(k, opts.size, opts.quick, opts.shapes)[1]) for k in opts.models)

@@ -188,15 +188,17 @@ def check_default(arch: Arch) -> None:
 
 def check_preset_outputs(arch: Arch) -> None:
     """``Policy.autocast("cpu")``, eval mode: every output tensor bitwise equal to eager
-    torch.autocast's."""
+    torch.autocast's, under ``no_grad`` and under ``inference_mode`` (as servers run models;
+    there the cached weight copies, made under ``no_grad``, are read by inference tensors)."""
     model, example = arch.build(), arch.example()
     twin = copy.deepcopy(model)
-    with torch.no_grad(), torch.autocast("cpu", dtype=LOW):
-        want = tensor_leaves(_call(twin, example))
     gm = _convert(model, example, policy=Policy.autocast("cpu", LOW))
-    with torch.no_grad():
-        got = tensor_leaves(_call(gm, example))
-    _expect_same_tensors("preset_outputs", got, want)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode(), torch.autocast("cpu", dtype=LOW):
+            want = tensor_leaves(_call(twin, example))
+        with mode():
+            got = tensor_leaves(_call(gm, example))
+        _expect_same_tensors(f"preset_outputs under {mode.__name__}", got, want)
 
 
 def check_preset_grads(arch: Arch) -> None:

@@ -43,7 +43,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from _models import MODEL_KEYS, SHAPE_LABELS, SIZES, build_case  # noqa: E402
-from _speed_report import add_markdown_option, machine, write_section  # noqa: E402
+from _speed_report import add_markdown_option, machine, title, write_section  # noqa: E402
 from _speed_types import (  # noqa: E402
     PHASES,
     Options,
@@ -128,11 +128,13 @@ def op_counts(autocast: Callable[[], Any], preset: Callable[[], Any]) -> str:
 def measure(key: str, opts: Options) -> list[list[Any]]:
     """One row per shape and phase of model ``key``."""
     case = build_case(key, opts.size, opts.device, quick=False, labels=opts.shapes)
-    rows = []
+    rows: list[list[Any]] = []
     for args, description in case.shapes.values():
+        start = len(rows)
         converted, _, errors = convert_variants(case, args, ["preset"], opts)
         if errors:
             rows.append([case.name, description, "-", errors["preset"]] + ["-"] * 5)
+            print(tabulate(rows[start:], tablefmt="plain"), flush=True)
             continue
         modules = {"autocast": case.model, "preset": converted["preset"]}
         runs = {"autocast": runner(case.model, args, (opts.device, opts.dtype)),
@@ -165,7 +167,7 @@ def measure(key: str, opts: Options) -> list[list[Any]]:
                 f"{paired_ratio(samples.seconds['autocast'], samples.seconds['preset']):.2f}",
                 ops,
             ])
-        print(tabulate(rows[-len(PHASES):], tablefmt="plain"), flush=True)
+        print(tabulate(rows[start:], tablefmt="plain"), flush=True)
     return rows
 
 
@@ -215,8 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{table}\n\n{legend}")
     if args.markdown_section:
         write_section(args.markdown_section,
-                      f"How much faster a rewrite can be: {opts.device}, "
-                      f"{str(opts.dtype).removeprefix('torch.')}, {opts.size} sizes",
+                      f"How much faster a rewrite can be: {title(opts)}",
                       "bench_ceiling.py", argv if argv is not None else sys.argv[1:],
                       opts.device, __doc__, [table, "", legend])
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from _models import MODEL_KEYS, SIZES, build_case, first_tensor  # noqa: E402
-from _speed_report import add_markdown_option, machine, write_section  # noqa: E402
+from _speed_report import add_markdown_option, machine, title, write_section  # noqa: E402
 from _speed_types import (  # noqa: E402
     CONVERTED,
     OPTIMIZERS,
@@ -170,8 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         lines += measure(key, opts, args.steps) + [""]
     if args.markdown_section:
         write_section(args.markdown_section,
-                      f"A training step by phase against torch.autocast: {opts.device}, "
-                      f"{str(opts.dtype).removeprefix('torch.')}, {opts.size} sizes",
+                      f"A training step by phase against torch.autocast: {title(opts)}",
                       "bench_phases.py", argv if argv is not None else sys.argv[1:],
                       opts.device, __doc__, lines)
 

@@ -13,6 +13,16 @@ import torch.nn as nn
 
 from .capture.converted import capture_converted, is_converted
 from .capture.export import Regime, capture_export
+from .capture.modes import (
+    MODE_KEY,
+    NOT_CAPTURED_KEY,
+    attach_modes,
+    flipped_mode,
+    mode_graphs,
+    mode_name,
+    not_captured_graph,
+    share_state,
+)
 from .capture.persistence import match_persistence
 from .capture.state import preserved_global_state
 from .capture.symbolic import capture_symbolic, propagate_meta
@@ -115,28 +125,81 @@ def convert(
         return finish(gm)
 
 
+class _ModePair:
+    """What the capture of the second mode shares with the first: the first's converted
+    module, the code it was captured as, and the names both graphs give node and module
+    overrides."""
+
+    def __init__(self) -> None:
+        self.main: fx.GraphModule | None = None
+        self.main_code = ""
+        self.nodes: set[str] = set()
+        self.paths: set[str] = set()
+
+
 def _capture_and_rewrite(model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None,
                          policy: Policy, low: torch.dtype, capture: str, opt_level: str,
                          calibration: list[CalibrationInput] | None = None) -> fx.GraphModule:
-    has_inputs = args is not None or kwargs is not None
+    """Both modes: the graph of the mode ``model`` is in, and the other's (see
+    :mod:`.capture.modes`)."""
     if opt_level == "O3" and not is_converted(model):
         model = low_precision_twin(model, low)  # O3 owns low-precision copies of everything
+    pair = _ModePair()
+    main = _capture_one(model, args, kwargs, policy, low, capture, opt_level, calibration, pair)
+    assert main is not None  # the first mode is never the same code as another
+    other: fx.GraphModule | None
+    if is_converted(model):
+        modes = mode_graphs(model)  # type: ignore[arg-type]
+        other = modes[1][1] if modes else None
+        if other is not None and NOT_CAPTURED_KEY in other.meta:
+            other = not_captured_graph(main, other.meta[MODE_KEY], other.meta[NOT_CAPTURED_KEY])
+        elif other is not None:
+            other = _capture_one(other, args, kwargs, policy, low, capture, opt_level,
+                                 calibration, pair)
+    else:
+        with flipped_mode(model) as mode:
+            try:
+                other = _capture_one(model, args, kwargs, policy, low, capture, opt_level,
+                                     calibration, pair)
+            except (ValueError, TypeError):
+                raise  # the user's input is wrong: the first mode would have said so
+            except Exception as exc:
+                other = not_captured_graph(main, mode, exc)
+                warnings.warn(
+                    f"amprewrite.convert: {type(model).__name__} could not be captured in "
+                    f"{mode_name(mode)} mode ({other.meta[NOT_CAPTURED_KEY]}); the converted "
+                    f"module runs in {mode_name(not mode)} mode only, and raises if called "
+                    f"after gm.{'train' if mode else 'eval'}().", stacklevel=3)
+    _check_override_names(pair, policy)
+    attach_modes(main, other)
+    return main
+
+
+def _capture_one(model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None,
+                 policy: Policy, low: torch.dtype, capture: str, opt_level: str,
+                 calibration: list[CalibrationInput] | None, pair: _ModePair
+                 ) -> fx.GraphModule | None:
+    """One mode's converted graph (the mode ``model`` is in); None where it is the code of
+    the first mode's (``pair.main``)."""
+    has_inputs = args is not None or kwargs is not None
     if is_converted(model):
         # NB: re-capturing would lose what only the nodes' meta holds (the model's own
         # autocast regions, the decisions), so converting twice could cast more.
-        return _rewrite(capture_converted(model), model, policy, low, opt_level)  # type: ignore[arg-type]
+        return _rewrite(capture_converted(model), model, policy, low, opt_level, None,  # type: ignore[arg-type]
+                        pair)
     if capture == "export" or (capture == "auto" and has_inputs):
         return _export_and_rewrite(model, args or (), kwargs, policy, low, opt_level,
-                                   calibration)
+                                   calibration, pair)
     gm = capture_symbolic(model)
     if has_inputs:
         propagate_meta(gm, args or (), kwargs)
-    return _rewrite(gm, model, policy, low, opt_level, calibration)
+    return _rewrite(gm, model, policy, low, opt_level, calibration, pair)
 
 
 def _export_and_rewrite(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
                         policy: Policy, low: torch.dtype, opt_level: str,
-                        calibration: list[CalibrationInput] | None = None) -> fx.GraphModule:
+                        calibration: list[CalibrationInput] | None,
+                        pair: _ModePair) -> fx.GraphModule | None:
     """Export with dynamic dimensions and rewrite; if either fails under symbolic sizes
     (some ATen meta kernels reject them), export again with the example's static shapes."""
     regime = _regime(model, args, kwargs, policy, low, opt_level)
@@ -147,35 +210,48 @@ def _export_and_rewrite(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
         dynamic_error: Exception = exc
     else:
         if not _has_symbolic_shapes(gm):
-            return _rewrite(gm, model, policy, low, opt_level, calibration)
+            return _rewrite(gm, model, policy, low, opt_level, calibration, pair)
         try:
-            return _rewrite(gm, model, policy, low, opt_level, calibration)
+            return _rewrite(gm, model, policy, low, opt_level, calibration, pair)
         except (ValueError, TypeError):
             raise  # the user's input is wrong: shapes have nothing to do with it
         except Exception as exc:
             dynamic_error = exc
     gm = capture_export(model, args, kwargs, regime=regime, dynamic=False, faithful=faithful)
-    gm = _rewrite(gm, model, policy, low, opt_level, calibration)
+    converted = _rewrite(gm, model, policy, low, opt_level, calibration, pair)
     warnings.warn(
         f"amprewrite.convert: {type(model).__name__} could not be converted with dynamic "
         f"shapes ({type(dynamic_error).__name__}: {str(dynamic_error).splitlines()[0]}); it was "
         "converted for the example inputs' shapes, so the converted module accepts only "
         "those shapes. Convert again with example inputs of the shapes you will run.",
         stacklevel=3)
-    return gm
+    return converted
 
 
 def _rewrite(gm: fx.GraphModule, model: nn.Module, policy: Policy, low: torch.dtype,
-             opt_level: str, calibration: list[CalibrationInput] | None = None) -> fx.GraphModule:
+             opt_level: str, calibration: list[CalibrationInput] | None,
+             pair: _ModePair) -> fx.GraphModule | None:
+    """The passes of ``opt_level`` on a fresh capture ``gm`` of ``model``. The capture of the
+    second mode reads the first's tensors (:func:`share_state`); None if it is the same code."""
     gm.meta.pop(META_KEY, None)
+    gm.meta.setdefault(MODE_KEY, model.training)
+    code = gm.code
+    if pair.main is not None:
+        if code == pair.main_code:
+            return None  # no mode-dependent code: one graph serves both modes
+        share_state(pair.main, gm)
+    _record_override_names(gm, pair)
     match_persistence(gm, model)
     if opt_level != "O1":
-        return apply_opt_level(gm, model, opt_level, low)
-    _check_override_names(gm, policy)
-    if calibration:
-        record_ranges(gm, calibration, policy)  # read by ClassifyPass (range_rule)
-    run_passes(gm, policy, low)
-    return gather_weights(gm)
+        gm = apply_opt_level(gm, model, opt_level, low)
+    else:
+        if calibration:
+            record_ranges(gm, calibration, policy)  # read by ClassifyPass (range_rule)
+        run_passes(gm, policy, low)
+        gm = gather_weights(gm)
+    if pair.main is None:
+        pair.main, pair.main_code = gm, code
+    return gm
 
 
 def _regime(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, policy: Policy,
@@ -202,15 +278,20 @@ def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:
     return False
 
 
-def _check_override_names(gm: fx.GraphModule, policy: Policy) -> None:
-    """Node and module overrides must name something in this capture (with near matches)."""
-    names = {n.name for n in gm.graph.nodes}
+def _record_override_names(gm: fx.GraphModule, pair: _ModePair) -> None:
+    pair.nodes.update(n.name for n in gm.graph.nodes)
+    pair.paths.update(q for q, _ in gm.named_modules() if q)
+    for node in gm.graph.nodes:
+        pair.paths.update(module_paths(node))
+
+
+def _check_override_names(pair: _ModePair, policy: Policy) -> None:
+    """Node and module overrides must name something in the capture of either mode (with
+    near matches)."""
+    names, paths = pair.nodes, pair.paths
     _fail_unmatched("node overrides name nodes that are not in the captured graph",
                     [k for k, _ in policy.node_overrides if k not in names], names,
                     "Node names come from amprewrite.explain(gm) of this capture path.")
-    paths = {q for q, _ in gm.named_modules() if q}
-    for node in gm.graph.nodes:
-        paths.update(module_paths(node))
     _fail_unmatched("module overrides match no module of the model",
                     [p for p, _ in policy.module_overrides
                      if not any(fnmatch.fnmatchcase(q, p) for q in paths)], paths,

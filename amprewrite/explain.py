@@ -16,6 +16,7 @@ Example (``Sequential(Linear(8, 8), Softmax(-1))``, export capture, default poli
 
 from __future__ import annotations
 
+import difflib
 from collections import Counter
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from .capture.guards import is_input_guards
+from .capture.modes import NOT_CAPTURED_KEY, mode_graphs, mode_name
 from .compile_backend import AmpBackend
 from .graph.meta import META_KEY, cast_info, decision
 from .hardware import describe, model_device, slow_reason
@@ -110,17 +112,53 @@ def _summary(gm: fx.GraphModule, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def explain_records(target: Any) -> list[dict[str, Any]]:
     """The decisions behind :func:`explain` as plain dicts (JSON-ready), one per graph:
-    ``{"graph", "policy", "low_dtype", "nodes": [...], "summary": {...}}``."""
+    ``{"graph", "policy", "low_dtype", "nodes": [...], "summary": {...}}``.
+
+    A converted module whose train and eval modes run different graphs has one record for
+    both: each node row carries ``"mode"`` (``"train"`` or ``"eval"`` for a decision of one
+    mode only, ``"both"`` for one both make), ``"summary"`` is the current mode's and
+    ``"modes"`` maps each mode to its summary, or to ``{"not_captured": reason}``."""
     out = []
     for title, gm in _graphs(target):
         policy, low = gm.meta["amprewrite_policy"]
         rows = [r for r in map(_row, gm.graph.nodes) if r is not None]
         device = _graph_device(gm)
-        out.append({"graph": title, "policy": policy.summary(),
-                    "low_dtype": short_dtype(low), "hardware": describe(device),
-                    "fast_low_dtype": slow_reason(device, low) is None, "nodes": rows,
-                    "summary": _summary(gm, rows)})
+        record = {"graph": title, "policy": policy.summary(),
+                  "low_dtype": short_dtype(low), "hardware": describe(device),
+                  "fast_low_dtype": slow_reason(device, low) is None, "nodes": rows,
+                  "summary": _summary(gm, rows)}
+        if mode_graphs(gm):
+            _add_modes(record, gm)
+        out.append(record)
     return out
+
+
+def _add_modes(record: dict[str, Any], gm: fx.GraphModule) -> None:
+    """Merge the rows of both modes' graphs, each marked with the mode it belongs to where
+    the two differ (in the order of the graphs, as a diff aligns them)."""
+    per_mode: dict[str, list[dict[str, Any]]] = {}
+    record["modes"] = {}
+    for training, graph in mode_graphs(gm):
+        name = mode_name(training)
+        if NOT_CAPTURED_KEY in graph.meta:
+            record["modes"][name] = {"not_captured": graph.meta[NOT_CAPTURED_KEY]}
+            per_mode[name] = []
+            continue
+        per_mode[name] = [r for r in map(_row, graph.graph.nodes) if r is not None]
+        record["modes"][name] = _summary(graph, per_mode[name])
+    current = record["modes"][mode_name(gm.training)]
+    if "not_captured" not in current:
+        record["summary"] = current  # what a call runs now
+    (a_name, a), (b_name, b) = per_mode.items()
+    keys = [[tuple(str(v) for v in r.values()) for r in rows] for rows in (a, b)]
+    merged = []
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, *keys, autojunk=False).get_opcodes():
+        if op == "equal":
+            merged += [{**r, "mode": "both"} for r in a[i1:i2]]
+            continue
+        merged += [{**r, "mode": a_name} for r in a[i1:i2]]
+        merged += [{**r, "mode": b_name} for r in b[j1:j2]]
+    record["nodes"] = merged
 
 
 def explain(target: Any) -> str:
@@ -129,7 +167,9 @@ def explain(target: Any) -> str:
     Columns: ``node`` (FX node name, usable in ``Policy.override(nodes=...)``), ``op`` (the
     canonical op name, usable in ``ops=...``), ``category``, ``dtype`` (what the op computes
     in; ``-`` for passthrough ops), ``out`` (the dtype it produces), ``rule`` (the table,
-    override or autocast region that decided) and ``casts`` (cast nodes feeding it).
+    override or autocast region that decided) and ``casts`` (cast nodes feeding it). Where
+    the module's train and eval modes run different graphs, a ``mode`` column says which
+    mode a decision belongs to (or ``both``), and a summary line follows for each mode.
 
     ``target`` is a GraphModule from :func:`amprewrite.convert`, an
     :func:`amprewrite.backend` object, or a model from :func:`amprewrite.compile` (one
@@ -142,10 +182,16 @@ def explain(target: Any) -> str:
         lines = [f"== {rec['graph']} ==" if rec["graph"] else "",
                  f"policy: {rec['policy']}, low dtype {rec['low_dtype']}",
                  f"hardware: {rec['hardware']}{slow}"]
-        rows = [[r[c] if c != "casts" else (", ".join(r[c]) or "-") for c in _COLUMNS]
+        columns = _COLUMNS + (("mode",) if "modes" in rec else ())
+        rows = [[r[c] if c != "casts" else (", ".join(r[c]) or "-") for c in columns]
                 for r in rec["nodes"]]
-        lines += _table(_COLUMNS, rows)
-        lines.append(_summary_line(rec["summary"]))
+        lines += _table(columns, rows)
+        if "modes" not in rec:
+            lines.append(_summary_line(rec["summary"]))
+        for mode, summary in rec.get("modes", {}).items():
+            lines.append(f"{mode} mode: " + (
+                f"not captured ({summary['not_captured']}): calling the module in {mode} "
+                "mode raises" if "not_captured" in summary else _summary_line(summary)))
         parts.append("\n".join(line for line in lines if line))
     return "\n\n".join(parts)
 

@@ -14,10 +14,15 @@ traces from its first frame, and which reports a failing generated line as torch
 puts the plain generated code back (:mod:`.codegen`). A deep copy keeps both: torch.fx's
 ``__deepcopy__`` builds the copy through a new class and ``recompile()``, so the class's
 ``__deepcopy__`` finishes the copy as ``convert`` finished the original (:func:`finish`).
+
+**Modes.** ``train()`` (and so ``eval()``) makes the module hold the graph of its new mode
+(:func:`amprewrite.capture.modes.switch_graph`); the call checks once more, one tuple index,
+for a ``training`` flag set by hand.
 """
 
 from __future__ import annotations
 
+import copy
 import linecache
 import sys
 import traceback
@@ -26,6 +31,7 @@ from typing import Any
 import torch.fx as fx
 import torch.nn as nn
 
+from ..capture.modes import MODES_ATTR, relink_modes, switch_graph
 from .codegen import recompile_with_bindings
 
 __all__ = ["finish", "failure_context"]
@@ -34,19 +40,43 @@ __all__ = ["finish", "failure_context"]
 def finish(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm``'s code with proven bindings (:func:`recompile_with_bindings`), called through
     :func:`_converted_call`, and deep copies finished the same way. Its class is its own
-    (torch.fx makes one class per GraphModule), so no other module changes."""
+    (torch.fx makes one class per GraphModule), so no other module changes. The graph of
+    the other mode, if any, is finished too."""
+    for sibling in gm.__dict__.get(MODES_ATTR, ()):
+        if isinstance(sibling, fx.GraphModule):
+            _finish_one(sibling)
+    return _finish_one(gm)
+
+
+def _finish_one(gm: fx.GraphModule) -> fx.GraphModule:
     recompile_with_bindings(gm)
+    gm.__dict__.setdefault(MODES_ATTR, (None, None))
     cls = type(gm)
     cls.__call__ = _converted_call
     cls.__deepcopy__ = _finished_copy
+    cls.train = _train
     return gm
 
 
+def _train(self: fx.GraphModule, mode: bool = True) -> fx.GraphModule:
+    nn.Module.train(self, mode)
+    switch_graph(self, bool(mode))
+    return self
+
+
 def _finished_copy(self: fx.GraphModule, memo: dict[int, Any]) -> fx.GraphModule:
-    return finish(fx.GraphModule.__deepcopy__(self, memo))
+    copied = fx.GraphModule.__deepcopy__(self, memo)
+    # NB: torch.fx builds the copy from the copied attributes its graph reads; the modes
+    # (whose siblings the memo already copied, and finished) are put back by hand.
+    copied.__dict__[MODES_ATTR] = copy.deepcopy(self.__dict__.get(MODES_ATTR, (None, None)),
+                                                memo)
+    relink_modes(copied)
+    return _finish_one(copied)
 
 
 def _converted_call(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+    if self._amp_by_mode[self.training] is not None:  # None: it holds this mode's graph
+        switch_graph(self, self.training)
     try:
         return nn.Module.__call__(self, *args, **kwargs)
     except Exception as exc:

@@ -64,6 +64,11 @@ class WeightTable:
         self._casts = _by_dtype(entries, 2)
         self._low = _by_dtype(entries, 3)
 
+    def rebind(self, root: nn.Module) -> None:
+        """Read the tensors from ``root``'s modules and dicts from now on (after ``root``
+        was rebuilt around the same tensors: a deep copy's dicts are made afresh)."""
+        self._groups = _groups(root, self.entries)
+
     def fetch(self, *entries: tuple[Any, ...], cache: WeightCastCache | None = None,
               store: LowPrecisionCopies | None = None) -> tuple[torch.Tensor, ...]:
         """The tensors of ``entries`` (the table's own, repeated in the generated code so that

@@ -1,0 +1,306 @@
+"""Both training modes of a converted module: one graph per mode, one set of tensors.
+
+A capture runs the model's Python once and records the mode it ran in: ``torch.export``
+records dropout with ``train=True`` or no dropout at all, batch norm with batch statistics
+and running-stat updates or with the running statistics, and the branch of every
+``if self.training:``; the symbolic tracer does the same for the code it traces through (it
+keeps BatchNorm and Dropout as modules, which follow the flag, but not
+``F.dropout(x, p, self.training)`` or a branch). So ``convert`` captures the model in each
+mode (its flags flipped for the second capture, then put back), and the converted module
+holds the graph of the mode it is in.
+
+The other mode's graph is a second converted GraphModule, its *sibling*, held in a plain
+attribute (:data:`MODES_ATTR`), not as a child: the ``state_dict`` keys, ``named_modules()``
+and ``parameters()`` are the ones a single graph has. The sibling reads every tensor from the
+returned module: its root ``_parameters`` / ``_buffers`` dicts (and hook dicts) are the
+returned module's own dict objects and its children are the returned module's children
+(:func:`share_state`), so ``.to()``, ``load_state_dict`` and an optimizer's steps reach both
+graphs, and so do the cached weight casts and O2's low-precision copies
+(:func:`share_runtime`). Only what belongs to one graph is its own (:data:`_GRAPH_ATTRS`:
+the graph, its code, its ``meta``, its weight table; torch.export's input check, the
+sub-graphs of higher-order ops).
+
+**Switching.** ``gm.train(mode)`` / ``gm.eval()`` exchange the two modules' own parts
+(:func:`switch_graph`, a few dict writes, only when the mode changes), so the module *is* the
+graph of its mode for everything that reads it: its call, ``gm.graph`` and ``gm.code``,
+``torch.export.export(gm)`` (which interprets ``gm.graph`` and never calls ``gm``),
+``explain`` and the auditor. Its call checks the mode once more (one tuple index), for a
+flag set without ``train()``.
+
+Where the two captures record the same code (a model without mode-dependent ops, or
+symbolic capture of one whose only such ops are BatchNorm and Dropout modules) no sibling is
+kept. Where the other mode cannot be captured, the sibling is a graph that raises, naming
+the mode and the fix (:func:`not_captured_graph`), whether the module is called, compiled
+or exported in that mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from ..errors import AmpRewriteError
+from ..runtime.low_copies import LOW_COPIES_ATTR
+from ..runtime.weight_cache import CACHE_ATTR
+from ..runtime.weight_table import WEIGHTS_ATTR, WeightTable
+from .guards import InputGuards
+
+__all__ = ["MODES_ATTR", "MODE_KEY", "NOT_CAPTURED_KEY", "not_captured_graph",
+           "flipped_mode", "mode_name", "share_state", "share_runtime", "attach_modes",
+           "mode_graphs", "switch_graph", "relink_modes"]
+
+MODES_ATTR = "_amp_by_mode"
+"""``gm.__dict__[MODES_ATTR]``: ``(eval, train)``, what a call in each mode runs: None for
+the module's own graph, a sibling GraphModule, or a :class:`ModeNotCaptured`."""
+
+MODE_KEY = "amprewrite_training"
+"""``gm.meta[MODE_KEY]``: the mode (``model.training``) the graph was captured in."""
+
+NOT_CAPTURED_KEY = "amprewrite_not_captured"
+"""``gm.meta[NOT_CAPTURED_KEY]``: why the model could not be captured in this graph's mode
+(the graph raises)."""
+
+_GRAPH_ATTRS = ("_graph", "_code", "_lineno_map", "_prologue_start", "meta", "_in_spec",
+                "_out_spec", "_tracer_cls", "_tracer_extras", WEIGHTS_ATTR)
+"""What :func:`switch_graph` exchanges: one graph's own instance attributes."""
+
+_SHARED_DICTS = ("_parameters", "_buffers", "_non_persistent_buffers_set",
+                 "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                 "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+                 "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
+                 "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+"""What the sibling shares with the returned module: its root tensors, and the hooks a user
+or a library registers on the returned module (they run in either mode)."""
+
+
+def mode_name(training: bool) -> str:
+    return "train" if training else "eval"
+
+
+def not_captured_message(model_name: str, training: bool, reason: str) -> str:
+    mode, back = mode_name(training), "eval" if training else "train"
+    return (f"this converted {model_name} was called in {mode} mode, but {model_name} could "
+            f"not be captured in {mode} mode at conversion ({reason}); running its {back}-mode "
+            f"graph instead would silently compute the other mode. Call gm.{back}() to run "
+            f"the {back}-mode graph, make the model's {mode}-mode code capturable (the error "
+            "above), or use amprewrite.compile(model), which captures each mode as it runs.")
+
+
+def mode_not_captured(message: str) -> None:
+    """The one op of a mode's graph that could not be captured (:func:`not_captured_graph`)."""
+    raise AmpRewriteError(message)
+
+
+def not_captured_graph(main: fx.GraphModule, training: bool, exc: BaseException | str
+                       ) -> fx.GraphModule:
+    """The graph of a mode ``main``'s model could not be captured in: the arguments of
+    ``main``'s own (its signature, which ``Trainer`` reads), then a call that raises."""
+    reason = exc if isinstance(exc, str) else \
+        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    graph = fx.Graph()
+    graph._codegen = copy.deepcopy(main.graph._codegen)
+    for node in main.graph.find_nodes(op="placeholder"):
+        graph.node_copy(node)
+    message = not_captured_message(type(main).__name__, training, reason)
+    graph.output(graph.call_function(mode_not_captured, (message,)))
+    stub = fx.GraphModule(main, graph, class_name=type(main).__name__)
+    stub.meta.update({**main.meta, MODE_KEY: training, NOT_CAPTURED_KEY: reason})
+    share_state(main, stub)
+    return stub
+
+
+@contextlib.contextmanager
+def flipped_mode(model: nn.Module) -> Iterator[bool]:
+    """``model`` in the other mode (``model.train(not model.training)``) during the block,
+    every module's flag put back after (a model may hold a frozen part in eval mode)."""
+    flags = [(m, m.training) for m in model.modules()]
+    other = not model.training
+    model.train(other)
+    try:
+        yield other
+    finally:
+        for module, flag in flags:
+            module.training = flag
+
+
+# ---------------------------------------------------------------------------------------------
+# one set of tensors
+def share_state(main: fx.GraphModule, other: fx.GraphModule) -> None:
+    """Make ``other`` (a fresh capture of the other mode, before its passes) read its tensors
+    and submodules from ``main``: the same root dicts, the same children. A tensor or child
+    that ``main`` lacks is added to ``main`` (a parameter the other mode alone uses is still
+    the model's); a root tensor of the same name but another value (a constant lifted out of
+    the other mode's code) is added under a new name, read by ``other``'s graph."""
+    for name, tensor in list(itertools.chain(other._parameters.items(), other._buffers.items())):
+        held = main._parameters.get(name, main._buffers.get(name))
+        if tensor is None or held is tensor or (held is not None and _same_constant(held, tensor)):
+            continue
+        if held is None:
+            _register(main, name, tensor, name not in other._non_persistent_buffers_set)
+            continue
+        new = _free_name(main, f"{name}_{mode_name(bool(other.meta.get(MODE_KEY)))}")
+        _register(main, new, tensor, False)
+        for node in other.graph.find_nodes(op="get_attr", target=name):
+            node.target = new
+    own = {}
+    for name, child in other._modules.items():
+        held = main._modules.get(name)
+        if held is None and _holds_state(child):
+            main.add_module(name, child)
+        elif held is None or (held is not child and not _merge(held, child)):
+            own[name] = child  # a graph's own: its input check, a sub-graph
+    for attr in _SHARED_DICTS:
+        other.__dict__[attr] = main.__dict__[attr]
+    other.__dict__["_modules"] = {**main._modules, **own}
+
+
+def share_runtime(main: fx.GraphModule, other: fx.GraphModule) -> None:
+    """One cache of weight casts and one store of O2 low-precision copies for both graphs
+    (each graph's passes made its own): twice the copies would cost twice the memory."""
+    for attr in (CACHE_ATTR, LOW_COPIES_ATTR):
+        if attr in main.__dict__ and attr in other.__dict__:
+            other.__dict__[attr] = main.__dict__[attr]
+
+
+def _same_constant(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return not isinstance(a, nn.Parameter) and a.dtype == b.dtype and a.device == b.device \
+        and a.shape == b.shape and torch.equal(a, b)
+
+
+def _register(module: nn.Module, name: str, tensor: torch.Tensor, persistent: bool) -> None:
+    if isinstance(tensor, nn.Parameter):
+        module.register_parameter(name, tensor)
+    else:
+        module.register_buffer(name, tensor, persistent=persistent)
+
+
+def _free_name(module: nn.Module, name: str) -> str:
+    candidate, i = name, 1
+    while hasattr(module, candidate):
+        candidate, i = f"{name}_{i}", i + 1
+    return candidate
+
+
+def _holds_state(module: nn.Module) -> bool:
+    """A part of the model (it holds parameters or buffers), not one graph's own module."""
+    return not isinstance(module, (fx.GraphModule, InputGuards)) and \
+        next(itertools.chain(module.parameters(), module.buffers()), None) is not None
+
+
+def _tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    return itertools.chain(module.named_parameters(remove_duplicate=False),
+                           module.named_buffers(remove_duplicate=False))
+
+
+def _merge(held: nn.Module, child: nn.Module) -> bool:
+    """Whether ``child`` (the other capture's) is ``held`` (``main``'s) as far as ``child``'s
+    graph can tell: the same kind of module, holding the same tensors where both hold one.
+    If so, the tensors only ``child`` holds are added to ``held``."""
+    if type(held) is not type(child) or not _holds_state(child):
+        return False
+    held_modules = dict(held.named_modules(remove_duplicate=False))
+    if any(name in held_modules and type(held_modules[name]) is not type(sub)
+           for name, sub in child.named_modules(remove_duplicate=False)):
+        return False
+    held_tensors = dict(_tensors(held))
+    missing = []
+    for name, tensor in _tensors(child):
+        if name not in held_tensors:
+            missing.append((name, tensor))
+        elif held_tensors[name] is not tensor:
+            return False
+    for name, tensor in missing:
+        prefix, _, attr = name.rpartition(".")
+        owner = held
+        for part in prefix.split(".") if prefix else ():
+            if part not in owner._modules:
+                owner.add_module(part, nn.Module())
+            owner = owner._modules[part]
+        source = child.get_submodule(prefix)
+        _register(owner, attr, tensor, attr not in source._non_persistent_buffers_set)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# the modes of a converted module
+def attach_modes(main: fx.GraphModule, other: fx.GraphModule | None) -> None:
+    """Record what ``main`` runs in its other mode (None: its own graph serves both)."""
+    by_mode: list[fx.GraphModule | None] = [None, None]
+    by_mode[not main.meta[MODE_KEY]] = other
+    main.__dict__[MODES_ATTR] = tuple(by_mode)
+    if other is not None:
+        other.__dict__[MODES_ATTR] = (None, None)
+        share_runtime(main, other)
+
+
+def mode_graphs(gm: fx.GraphModule) -> list[tuple[bool, fx.GraphModule]]:
+    """``[(mode, graph), ...]`` of a converted module whose modes run different graphs, the
+    graph it holds now first; ``[]`` where one graph serves both modes. A graph with
+    ``meta[NOT_CAPTURED_KEY]`` raises."""
+    by_mode = gm.__dict__.get(MODES_ATTR, (None, None))
+    own = bool(gm.meta.get(MODE_KEY, gm.training))
+    other = by_mode[not own]
+    return [] if other is None else [(own, gm), (not own, other)]
+
+
+def switch_graph(gm: fx.GraphModule, training: bool) -> None:
+    """Make ``gm`` hold the graph of ``training`` mode, its sibling the other (no-op where
+    ``gm`` holds it already or one graph serves both)."""
+    other = gm.__dict__[MODES_ATTR][training]
+    if other is None:
+        return
+    mine, theirs = gm.__dict__, other.__dict__
+    for attr in _GRAPH_ATTRS:
+        a, b = mine.pop(attr, _MISSING), theirs.pop(attr, _MISSING)
+        if b is not _MISSING:
+            mine[attr] = b
+        if a is not _MISSING:
+            theirs[attr] = a
+    for name in set(gm._modules) | set(other._modules):  # the graphs' own modules
+        a, b = gm._modules.get(name), other._modules.get(name)
+        if a is not b:
+            _put(gm._modules, name, b)
+            _put(other._modules, name, a)
+    mine_cls, theirs_cls = type(gm), type(other)
+    mine_cls.forward, theirs_cls.forward = theirs_cls.forward, mine_cls.forward
+    by_mode: list[fx.GraphModule | None] = [None, None]
+    by_mode[not training] = other
+    mine[MODES_ATTR] = tuple(by_mode)
+
+
+_MISSING = object()
+
+
+def _put(modules: dict[str, Any], name: str, module: Any) -> None:
+    if module is None:
+        modules.pop(name, None)
+    else:
+        modules[name] = module
+
+
+def relink_modes(main: fx.GraphModule) -> None:
+    """Share ``main``'s tensors with its sibling again after ``main`` was rebuilt
+    (``copy.deepcopy`` builds the copy's dicts afresh), and point both weight tables at the
+    rebuilt modules."""
+    for entry in main.__dict__.get(MODES_ATTR, ()):
+        if not isinstance(entry, fx.GraphModule):
+            continue
+        own = {k: v for k, v in entry._modules.items() if main._modules.get(k) is not v}
+        for attr in _SHARED_DICTS:
+            entry.__dict__[attr] = main.__dict__[attr]
+        entry.__dict__["_modules"] = {**main._modules, **own}
+        share_runtime(main, entry)
+        _rebind_table(entry)
+    _rebind_table(main)
+
+
+def _rebind_table(gm: fx.GraphModule) -> None:
+    table = gm.__dict__.get(WEIGHTS_ATTR)
+    if isinstance(table, WeightTable):
+        table.rebind(gm)

@@ -1,0 +1,247 @@
+"""``gm.train()`` / ``gm.eval()`` on a converted module: the forward runs the graph of the
+mode the module is in (dropout, batch-norm statistics, ``self.training`` branches), both
+graphs on one set of tensors; a mode the model cannot be captured in raises when called."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import amprewrite
+from amprewrite.capture.modes import MODES_ATTR, NOT_CAPTURED_KEY
+from amprewrite.explain import explain_records
+from amprewrite.errors import AmpRewriteError
+
+PRESET = amprewrite.Policy.autocast("cpu", torch.bfloat16)
+X = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+
+
+def _model(training: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5))
+    return model.train(training)
+
+
+def _convert(model: nn.Module, capture: str, opt_level: str = "O1", **kw: object) -> nn.Module:
+    inputs = (X,) if capture == "export" else None
+    policy = {"policy": PRESET} if opt_level == "O1" else {"dtype": torch.bfloat16}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return amprewrite.convert(model, inputs, capture=capture, opt_level=opt_level,
+                                  **policy, **kw)  # type: ignore[arg-type]
+
+
+def _run(gm: nn.Module, opt_level: str) -> torch.Tensor:
+    """O2 trains only with its masters bound to an optimizer (MasterWeights); the mode's
+    forward is the same without gradients."""
+    with torch.no_grad() if opt_level == "O2" else contextlib.nullcontext():
+        return gm(X)
+
+
+def _stats(gm: nn.Module) -> torch.Tensor:
+    return gm.get_submodule("1").running_mean.clone()
+
+
+CASES = [(c, o) for c in ("export", "symbolic") for o in ("O1", "O2")]
+
+
+@pytest.mark.parametrize("capture,opt_level", CASES)
+def test_converted_in_eval_trains_with_dropout_and_batch_statistics(capture: str,
+                                                                   opt_level: str) -> None:
+    model = _model(training=False)
+    eager = copy.deepcopy(model).train()
+    gm = _convert(model, capture, opt_level)
+    gm.train()
+    assert gm.training and all(m.training for m in gm.modules())
+    before = _stats(gm)
+    torch.manual_seed(1)
+    out = _run(gm, opt_level)
+    zeros = (out == 0).float().mean().item()
+    assert 0.3 < zeros < 0.7, zeros
+    assert not torch.equal(_stats(gm), before)  # running statistics moved
+    assert gm.get_submodule("1").num_batches_tracked.item() == 1
+    if opt_level == "O1":  # the autocast preset: bitwise what eager autocast does
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = eager(X)
+        assert torch.equal(out, expected)
+        assert torch.equal(_stats(gm), eager[1].running_mean)
+
+
+@pytest.mark.parametrize("capture,opt_level", CASES)
+def test_converted_in_train_evaluates_deterministically(capture: str, opt_level: str) -> None:
+    model = _model(training=True)
+    gm = _convert(model, capture, opt_level)
+    _run(gm, opt_level)  # a training step's forward: statistics move
+    gm.eval()
+    before = _stats(gm)
+    first, second = _run(gm, opt_level), _run(gm, opt_level)
+    assert torch.equal(first, second) and (first == 0).float().mean().item() < 0.1
+    assert torch.equal(_stats(gm), before)  # eval reads the running statistics only
+    eager = copy.deepcopy(model).eval()
+    if opt_level == "O1":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(first, eager(X))
+    else:
+        torch.testing.assert_close(first, eager(X), atol=0.1, rtol=0.05)
+    gm.train()
+    assert (_run(gm, opt_level) == 0).float().mean().item() > 0.3  # and back
+
+
+class _Branching(nn.Module):
+    """Model code that reads ``self.training`` itself, and a functional dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.dropout(self.fc(x), 0.5, self.training)
+        if self.training:
+            return h * 2
+        return h + 1
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic"])
+@pytest.mark.parametrize("training", [False, True])
+def test_training_branches_of_the_model_code_follow_the_mode(capture: str,
+                                                              training: bool) -> None:
+    torch.manual_seed(0)
+    model = _Branching().train(training)
+    gm = _convert(model, capture)
+    for mode in (not training, training):
+        gm.train(mode)
+        eager = copy.deepcopy(model).train(mode)
+        torch.manual_seed(2)
+        out = gm(X)
+        torch.manual_seed(2)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(out, eager(X)), mode
+    assert model.training is training  # the model's own flags are put back
+
+
+class _TrainOnlyDataDependent(nn.Module):
+    """Exports in eval mode; in train mode its code branches on a tensor's value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.training and h.sum() > 0:
+            h = h * 2
+        return h
+
+
+def test_a_mode_that_cannot_be_captured_raises_when_called() -> None:
+    model = _TrainOnlyDataDependent().eval()
+    with pytest.warns(UserWarning, match="could not be captured in train mode"):
+        gm = amprewrite.convert(model, (X,), policy=PRESET)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(gm(X), model(X))
+    gm.train()
+    assert NOT_CAPTURED_KEY in gm.meta
+    with pytest.raises(AmpRewriteError, match=r"called in train mode.*gm\.eval\(\)"):
+        gm(X)
+    with pytest.raises(AmpRewriteError, match="could not be captured in train mode"):
+        torch.export.export(gm, (X,))  # never the eval graph in its place
+    assert "train mode: not captured (" in amprewrite.explain(gm)
+    gm.eval()
+    gm(X)  # the captured mode still runs
+
+
+def test_one_graph_for_models_without_mode_dependent_code() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    gm = _convert(model, "export")
+    assert gm.__dict__[MODES_ATTR] == (None, None)
+    gm = _convert(_model(training=False), "symbolic")  # BatchNorm and Dropout stay modules
+    assert gm.__dict__[MODES_ATTR] == (None, None)
+    assert "mode" not in amprewrite.explain(gm).splitlines()[2]
+
+
+def test_both_graphs_share_one_state_and_copies_keep_sharing() -> None:
+    model = _model(training=False)
+    gm = _convert(model, "export")
+    sibling = gm.__dict__[MODES_ATTR][True]
+    assert gm.graph is not sibling.graph and sibling._parameters is gm._parameters
+    assert list(gm.state_dict()) == list(model.state_dict())
+    assert [n for n, _ in gm.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert sibling._amp_weight_cache is gm._amp_weight_cache
+    # load_state_dict (in place) and a module copy reach both graphs
+    state = {k: v + 1 if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    gm.load_state_dict(state)
+    copied = copy.deepcopy(gm).train()
+    assert copied.__dict__[MODES_ATTR][False]._parameters is copied._parameters
+    before = _stats(copied)
+    torch.manual_seed(3)
+    out = copied(X)
+    assert not torch.equal(_stats(copied), before)
+    assert torch.equal(_stats(gm), model[1].running_mean)  # the original is not the copy
+    eager = copy.deepcopy(model).train()
+    torch.manual_seed(3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(out, eager(X))
+
+
+def test_explain_marks_the_decisions_of_one_mode() -> None:
+    gm = _convert(_model(training=False), "export")
+    (record,) = explain_records(gm)
+    modes = {r["node"]: r["mode"] for r in record["nodes"]}
+    assert modes["add_"] == "train" and modes["linear"] == "both"  # num_batches_tracked += 1
+    assert set(record["modes"]) == {"eval", "train"}
+    text = amprewrite.explain(gm)
+    assert "eval mode: " in text and "train mode: " in text
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
+def test_convert_again_and_opt_levels_keep_both_modes(opt_level: str) -> None:
+    model = _model(training=False)
+    gm = _convert(model, "export")
+    again = _convert(gm, "export", opt_level) if opt_level != "O1" else _convert(gm, "export")
+    for module in (_convert(model, "export", opt_level), again):
+        module.train()
+        assert (_run(module, opt_level) == 0).float().mean().item() > 0.3
+        module.eval()
+        assert torch.equal(_run(module, opt_level), _run(module, opt_level))
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_torch_compile_runs_the_mode_it_is_called_in(training: bool,
+                                                     fresh_dynamo: None) -> None:
+    gm = _convert(_model(training=False), "export")
+    compiled = torch.compile(gm, backend="eager")
+    gm.train(training)
+    torch.manual_seed(4)
+    expected = gm(X)
+    torch.manual_seed(4)
+    assert torch.equal(compiled(X), expected)
+    gm.train(not training)
+    torch.manual_seed(4)
+    expected = gm(X)
+    torch.manual_seed(4)
+    assert torch.equal(compiled(X), expected)  # recompiled for the other mode
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_export_and_save_each_mode(training: bool) -> None:
+    gm = _convert(_model(training=not training), "export")
+    gm.train(training)
+    ep = torch.export.export(gm, (X,))
+    buffer = io.BytesIO()
+    torch.export.save(ep, buffer)
+    buffer.seek(0)
+    loaded = torch.export.load(buffer).module()
+    ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    if training:
+        assert any("dropout" in op or "bernoulli" in op for op in ops), ops
+        assert (loaded(X) == 0).float().mean().item() > 0.3
+    else:
+        assert not any("bernoulli" in op for op in ops), ops
+        assert torch.equal(loaded(X), gm(X))

@@ -245,3 +245,55 @@ def test_export_and_save_each_mode(training: bool) -> None:
     else:
         assert not any("bernoulli" in op for op in ops), ops
         assert torch.equal(loaded(X), gm(X))
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def _gpt2_with_dropout() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.1,
+        embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+def _trainer_eval_losses(model: nn.Module, out: str, bf16: bool) -> list[float]:
+    """Two training steps, each followed by an evaluation (Trainer switches to eval mode and
+    back), and one more evaluation at the end."""
+    transformers = pytest.importorskip("transformers")
+    args = transformers.TrainingArguments(
+        output_dir=out, per_device_train_batch_size=4, per_device_eval_batch_size=4,
+        max_steps=2, eval_strategy="steps", eval_steps=1, report_to=[], use_cpu=True,
+        bf16=bf16, save_strategy="no", logging_strategy="no", dataloader_num_workers=0, seed=0,
+        disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(),
+                                   eval_dataset=_Tokens())
+    trainer.train()
+    losses = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+    return losses + [trainer.evaluate()["eval_loss"]]
+
+
+def test_trainer_evaluation_of_a_model_with_dropout_matches_autocast(tmp_path: object) -> None:
+    """GPT-2 with dropout 0.1, converted in train mode: Trainer's evaluations run the
+    eval-mode graph (no dropout), equal to the eager model's under ``torch.autocast``."""
+    pytest.importorskip("accelerate")  # Trainer needs it
+    model, twin = _gpt2_with_dropout(), _gpt2_with_dropout()
+    ids = _Tokens()[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = amprewrite.convert(model, (), example_kwargs={k: v[None].repeat(4, 1)
+                                                           for k, v in ids.items()},
+                                policy=PRESET)
+    assert gm.__dict__[MODES_ATTR][False] is not None  # dropout: the modes differ
+    twin.accepts_loss_kwargs = False  # as the converted forward takes only its keywords
+    losses = _trainer_eval_losses(gm, f"{tmp_path}/converted", bf16=False)
+    expected = _trainer_eval_losses(twin, f"{tmp_path}/autocast", bf16=True)
+    assert len(losses) == 3 and losses == expected

@@ -32,6 +32,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..capture.modes import MODES_ATTR, relink_modes, switch_graph
+from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
 from .codegen import recompile_with_bindings
 
 __all__ = ["finish", "failure_context"]
@@ -59,8 +60,15 @@ def _finish_one(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _train(self: fx.GraphModule, mode: bool = True) -> fx.GraphModule:
+    leaving_training = self.training and not mode
     nn.Module.train(self, mode)
     switch_graph(self, bool(mode))
+    cache = self.__dict__.get(CACHE_ATTR)
+    if leaving_training and isinstance(cache, WeightCastCache):
+        # NB: a fused optimizer (Trainer's default AdamW on CPU) updates the weights in place
+        # without bumping their version counters, so the cast copies cached by an earlier
+        # evaluation would look current; an evaluation after training casts them afresh.
+        cache.clear()
     return self
 
 

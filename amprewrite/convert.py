@@ -15,10 +15,12 @@ from .capture.converted import capture_converted, is_converted
 from .capture.export import Regime, capture_export
 from .capture.modes import (
     MODE_KEY,
+    MODES_ATTR,
     NOT_CAPTURED_KEY,
+    PendingMode,
     attach_modes,
-    flipped_mode,
-    mode_graphs,
+    captured_mode,
+    in_mode,
     mode_name,
     not_captured_graph,
     share_state,
@@ -140,39 +142,71 @@ class _ModePair:
 def _capture_and_rewrite(model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None,
                          policy: Policy, low: torch.dtype, capture: str, opt_level: str,
                          calibration: list[CalibrationInput] | None = None) -> fx.GraphModule:
-    """Both modes: the graph of the mode ``model`` is in, and the other's (see
-    :mod:`.capture.modes`)."""
+    """The graph of the mode ``model`` is in; the other mode is captured when the module is
+    first switched to it (see :mod:`.capture.modes`), or now where an override names nothing
+    in the first mode's capture (it may name something in the other's)."""
     if opt_level == "O3" and not is_converted(model):
         model = low_precision_twin(model, low)  # O3 owns low-precision copies of everything
     pair = _ModePair()
     main = _capture_one(model, args, kwargs, policy, low, capture, opt_level, calibration, pair)
     assert main is not None  # the first mode is never the same code as another
-    other: fx.GraphModule | None
-    if is_converted(model):
-        modes = mode_graphs(model)  # type: ignore[arg-type]
-        other = modes[1][1] if modes else None
-        if other is not None and NOT_CAPTURED_KEY in other.meta:
-            other = not_captured_graph(main, other.meta[MODE_KEY], other.meta[NOT_CAPTURED_KEY])
-        elif other is not None:
-            other = _capture_one(other, args, kwargs, policy, low, capture, opt_level,
-                                 calibration, pair)
-    else:
-        with flipped_mode(model) as mode:
-            try:
-                other = _capture_one(model, args, kwargs, policy, low, capture, opt_level,
-                                     calibration, pair)
-            except (ValueError, TypeError):
-                raise  # the user's input is wrong: the first mode would have said so
-            except Exception as exc:
-                other = not_captured_graph(main, mode, exc)
-                warnings.warn(
-                    f"amprewrite.convert: {type(model).__name__} could not be captured in "
-                    f"{mode_name(mode)} mode ({other.meta[NOT_CAPTURED_KEY]}); the converted "
-                    f"module runs in {mode_name(not mode)} mode only, and raises if called "
-                    f"after gm.{'train' if mode else 'eval'}().", stacklevel=3)
-    _check_override_names(pair, policy)
+    training = not main.meta[MODE_KEY]
+    other: _OtherMode | None = _OtherMode(model, args, kwargs, policy, low, capture, opt_level,
+                                          calibration, pair.main_code)
+    if is_converted(model) and model.__dict__.get(MODES_ATTR, (None, None))[training] is None:
+        other = None  # one graph serves both modes of the converted input
     attach_modes(main, other)
+    if other is not None and any(_override_misses(pair, policy)):
+        attach_modes(main, other.capture(main, training, pair))
+    _check_override_names(pair, policy)
     return main
+
+
+class _OtherMode(PendingMode):
+    """The mode ``convert`` did not capture: ``convert``'s arguments, to capture it the first
+    time the converted module is switched to it. Holds the model and the example inputs (a
+    deep copy of the converted module copies them along with its tensors, so that the copy
+    captures from a model holding its own tensors)."""
+
+    def __init__(self, model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None,
+                 policy: Policy, low: torch.dtype, capture: str, opt_level: str,
+                 calibration: list[CalibrationInput] | None, main_code: str) -> None:
+        self.model, self.args, self.kwargs = model, args, kwargs
+        self.policy, self.low, self.capture_path = policy, low, capture
+        self.opt_level, self.calibration, self.main_code = opt_level, calibration, main_code
+
+    def capture(self, main: fx.GraphModule, training: bool,
+                pair: _ModePair | None = None) -> fx.GraphModule | None:
+        if pair is None:
+            pair = _ModePair()
+            pair.main, pair.main_code = main, self.main_code
+        with preserved_global_state():
+            other = self._capture(main, training, pair)
+        return None if other is None else finish(other)
+
+    def _capture(self, main: fx.GraphModule, training: bool,
+                 pair: _ModePair) -> fx.GraphModule | None:
+        model, options = self.model, (self.args, self.kwargs, self.policy, self.low,
+                                      self.capture_path, self.opt_level, self.calibration, pair)
+        if is_converted(model):  # the converted input's graph of that mode
+            source = model if model.meta.get(MODE_KEY) == training else \
+                captured_mode(model, training)  # type: ignore[arg-type]
+            if source is None:
+                return None
+            if NOT_CAPTURED_KEY in source.meta:
+                return not_captured_graph(main, training, source.meta[NOT_CAPTURED_KEY])
+            return _capture_one(source, *options)
+        try:
+            with in_mode(model, training):
+                return _capture_one(model, *options)
+        except Exception as exc:
+            other = not_captured_graph(main, training, exc)
+            warnings.warn(
+                f"amprewrite: {type(model).__name__} could not be captured in "
+                f"{mode_name(training)} mode ({other.meta[NOT_CAPTURED_KEY]}); the converted "
+                f"module runs in {mode_name(not training)} mode only, and raises if called "
+                f"after gm.{mode_name(training)}().", stacklevel=6)
+            return other
 
 
 def _capture_one(model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None,
@@ -285,16 +319,20 @@ def _record_override_names(gm: fx.GraphModule, pair: _ModePair) -> None:
         pair.paths.update(module_paths(node))
 
 
+def _override_misses(pair: _ModePair, policy: Policy) -> tuple[list[str], list[str]]:
+    """The node and module overrides that name nothing in the captures recorded in ``pair``."""
+    return ([k for k, _ in policy.node_overrides if k not in pair.nodes],
+            [p for p, _ in policy.module_overrides
+             if not any(fnmatch.fnmatchcase(q, p) for q in pair.paths)])
+
+
 def _check_override_names(pair: _ModePair, policy: Policy) -> None:
     """Node and module overrides must name something in the capture of either mode (with
     near matches)."""
-    names, paths = pair.nodes, pair.paths
-    _fail_unmatched("node overrides name nodes that are not in the captured graph",
-                    [k for k, _ in policy.node_overrides if k not in names], names,
-                    "Node names come from amprewrite.explain(gm) of this capture path.")
-    _fail_unmatched("module overrides match no module of the model",
-                    [p for p, _ in policy.module_overrides
-                     if not any(fnmatch.fnmatchcase(q, p) for q in paths)], paths,
+    nodes, modules = _override_misses(pair, policy)
+    _fail_unmatched("node overrides name nodes that are not in the captured graph", nodes,
+                    pair.nodes, "Node names come from amprewrite.explain(gm) of this capture path.")
+    _fail_unmatched("module overrides match no module of the model", modules, pair.paths,
                     "Use qualified names as in model.named_modules(), globs allowed.")
 
 

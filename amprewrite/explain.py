@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from .capture.guards import is_input_guards
-from .capture.modes import NOT_CAPTURED_KEY, mode_graphs, mode_name
+from .capture.modes import NOT_CAPTURED_KEY, mode_graphs, mode_name, pending_mode
 from .compile_backend import AmpBackend
 from .graph.meta import META_KEY, cast_info, decision
 from .hardware import describe, model_device, slow_reason
@@ -117,7 +117,9 @@ def explain_records(target: Any) -> list[dict[str, Any]]:
     A converted module whose train and eval modes run different graphs has one record for
     both: each node row carries ``"mode"`` (``"train"`` or ``"eval"`` for a decision of one
     mode only, ``"both"`` for one both make), ``"summary"`` is the current mode's and
-    ``"modes"`` maps each mode to its summary, or to ``{"not_captured": reason}``."""
+    ``"modes"`` maps each mode to its summary, or to ``{"not_captured": reason}``. A mode
+    not captured yet (the module was never switched to it) is named by
+    ``"not_captured_yet"``; the rows are then the captured mode's, without ``"mode"``."""
     out = []
     for title, gm in _graphs(target):
         policy, low = gm.meta["amprewrite_policy"]
@@ -129,6 +131,8 @@ def explain_records(target: Any) -> list[dict[str, Any]]:
                   "summary": _summary(gm, rows)}
         if mode_graphs(gm):
             _add_modes(record, gm)
+        elif pending_mode(gm) is not None:
+            record["not_captured_yet"] = mode_name(bool(pending_mode(gm)))
         out.append(record)
     return out
 
@@ -169,7 +173,9 @@ def explain(target: Any) -> str:
     in; ``-`` for passthrough ops), ``out`` (the dtype it produces), ``rule`` (the table,
     override or autocast region that decided) and ``casts`` (cast nodes feeding it). Where
     the module's train and eval modes run different graphs, a ``mode`` column says which
-    mode a decision belongs to (or ``both``), and a summary line follows for each mode.
+    mode a decision belongs to (or ``both``), and a summary line follows for each mode. A
+    mode the module was never switched to is not captured yet: the table shows the captured
+    mode's decisions, and a line says which mode is captured at its first switch.
 
     ``target`` is a GraphModule from :func:`amprewrite.convert`, an
     :func:`amprewrite.backend` object, or a model from :func:`amprewrite.compile` (one
@@ -192,6 +198,10 @@ def explain(target: Any) -> str:
             lines.append(f"{mode} mode: " + (
                 f"not captured ({summary['not_captured']}): calling the module in {mode} "
                 "mode raises" if "not_captured" in summary else _summary_line(summary)))
+        if "not_captured_yet" in rec:
+            mode = rec["not_captured_yet"]
+            lines.append(f"{mode} mode: not captured yet (captured when the module is first "
+                         f"switched to it, by gm.{mode}())")
         parts.append("\n".join(line for line in lines if line))
     return "\n\n".join(parts)
 

@@ -1,6 +1,7 @@
 """``gm.train()`` / ``gm.eval()`` on a converted module: the forward runs the graph of the
 mode the module is in (dropout, batch-norm statistics, ``self.training`` branches), both
-graphs on one set of tensors; a mode the model cannot be captured in raises when called."""
+graphs on one set of tensors; the other mode is captured at the first switch to it; a mode the
+model cannot be captured in raises when called."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ import contextlib
 import copy
 import io
 import warnings
+from typing import Iterator
 
 import pytest
 import torch
 import torch.nn as nn
 
 import amprewrite
-from amprewrite.capture.modes import MODES_ATTR, NOT_CAPTURED_KEY
+from amprewrite.capture import export as export_capture
+from amprewrite.capture.modes import MODES_ATTR, NOT_CAPTURED_KEY, PendingMode
 from amprewrite.explain import explain_records
 from amprewrite.errors import AmpRewriteError
 
@@ -142,11 +145,14 @@ class _TrainOnlyDataDependent(nn.Module):
 
 def test_a_mode_that_cannot_be_captured_raises_when_called() -> None:
     model = _TrainOnlyDataDependent().eval()
-    with pytest.warns(UserWarning, match="could not be captured in train mode"):
-        gm = amprewrite.convert(model, (X,), policy=PRESET)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message=".*bf16 matmuls run in emulation")
+        gm = amprewrite.convert(model, (X,), policy=PRESET)  # train mode: not captured yet
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(gm(X), model(X))
-    gm.train()
+    with pytest.warns(UserWarning, match="could not be captured in train mode"):
+        gm.train()
     assert NOT_CAPTURED_KEY in gm.meta
     with pytest.raises(AmpRewriteError, match=r"called in train mode.*gm\.eval\(\)"):
         gm(X)
@@ -159,16 +165,17 @@ def test_a_mode_that_cannot_be_captured_raises_when_called() -> None:
 
 def test_one_graph_for_models_without_mode_dependent_code() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
-    gm = _convert(model, "export")
+    gm = _convert(model, "export").eval()  # (model is in train mode)
     assert gm.__dict__[MODES_ATTR] == (None, None)
     gm = _convert(_model(training=False), "symbolic")  # BatchNorm and Dropout stay modules
+    gm.train().eval()
     assert gm.__dict__[MODES_ATTR] == (None, None)
     assert "mode" not in amprewrite.explain(gm).splitlines()[2]
 
 
 def test_both_graphs_share_one_state_and_copies_keep_sharing() -> None:
     model = _model(training=False)
-    gm = _convert(model, "export")
+    gm = _convert(model, "export").train().eval()
     sibling = gm.__dict__[MODES_ATTR][True]
     assert gm.graph is not sibling.graph and sibling._parameters is gm._parameters
     assert list(gm.state_dict()) == list(model.state_dict())
@@ -192,6 +199,12 @@ def test_both_graphs_share_one_state_and_copies_keep_sharing() -> None:
 
 def test_explain_marks_the_decisions_of_one_mode() -> None:
     gm = _convert(_model(training=False), "export")
+    (record,) = explain_records(gm)  # train mode: not captured yet
+    assert record["not_captured_yet"] == "train" and "modes" not in record
+    assert "mode" not in record["nodes"][0]
+    text = amprewrite.explain(gm)
+    assert "train mode: not captured yet" in text and "eval mode: " not in text
+    gm.train().eval()
     (record,) = explain_records(gm)
     modes = {r["node"]: r["mode"] for r in record["nodes"]}
     assert modes["add_"] == "train" and modes["linear"] == "both"  # num_batches_tracked += 1
@@ -292,8 +305,90 @@ def test_trainer_evaluation_of_a_model_with_dropout_matches_autocast(tmp_path: o
         gm = amprewrite.convert(model, (), example_kwargs={k: v[None].repeat(4, 1)
                                                            for k, v in ids.items()},
                                 policy=PRESET)
-    assert gm.__dict__[MODES_ATTR][False] is not None  # dropout: the modes differ
+    assert isinstance(gm.__dict__[MODES_ATTR][False], PendingMode)  # captured at Trainer's eval
     twin.accepts_loss_kwargs = False  # as the converted forward takes only its keywords
     losses = _trainer_eval_losses(gm, f"{tmp_path}/converted", bf16=False)
+    assert any(isinstance(e, nn.Module) for e in gm.__dict__[MODES_ATTR])  # dropout: 2 graphs
     expected = _trainer_eval_losses(twin, f"{tmp_path}/autocast", bf16=True)
     assert len(losses) == 3 and losses == expected
+
+
+@contextlib.contextmanager
+def _counted_exports() -> Iterator[list[bool]]:
+    """The modes (``training`` flags) of the models torch.export captures in the block."""
+    calls: list[bool] = []
+    real = export_capture._export
+
+    def counting(model: nn.Module, *args: object, **kwargs: object) -> object:
+        calls.append(model.training)
+        return real(model, *args, **kwargs)
+
+    export_capture._export = counting  # type: ignore[assignment]
+    try:
+        yield calls
+    finally:
+        export_capture._export = real  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_convert_captures_one_mode_and_the_first_switch_the_other(training: bool) -> None:
+    with _counted_exports() as calls:
+        gm = _convert(_model(training), "export")
+    assert calls == [training]  # one capture, in the model's mode
+    assert isinstance(gm.__dict__[MODES_ATTR][not training], PendingMode)
+    with _counted_exports() as calls:
+        gm.train(training)  # no switch: nothing to capture
+        gm(X)
+        assert calls == []
+        gm.train(not training)
+        assert calls == [not training]  # the first switch captures the other mode
+        out = _run(gm, "O1")
+        if not training:
+            assert (out == 0).float().mean().item() > 0.3  # the train graph: dropout
+        else:
+            assert torch.equal(out, gm(X))  # the eval graph: deterministic
+        for _ in range(2):
+            gm.train(training)
+            gm(X)
+            gm.train(not training)
+        assert calls == [not training]  # later switches exchange the two graphs
+    assert all(isinstance(e, nn.Module) or e is None for e in gm.__dict__[MODES_ATTR])
+
+
+def test_a_deep_copy_captures_its_pending_mode_on_its_own_tensors() -> None:
+    model = _model(training=False)
+    gm = _convert(model, "export")
+    copied = copy.deepcopy(gm).train()
+    assert isinstance(gm.__dict__[MODES_ATTR][True], PendingMode)  # the original: still pending
+    assert copied.__dict__[MODES_ATTR][False]._parameters is copied._parameters
+    assert list(copied.state_dict()) == list(model.state_dict())
+    before = _stats(copied)
+    copied(X)
+    assert not torch.equal(_stats(copied), before)
+    assert torch.equal(_stats(gm), model[1].running_mean)  # not the original's buffers
+    assert torch.equal(_stats(gm), before)
+    again = _convert(copied, "export").eval()  # a converted input in its other mode
+    assert torch.equal(again(X), again(X))
+
+
+def test_switching_to_a_pending_mode_while_tracing_asks_for_a_switch_outside() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gm = _convert(_model(training=False), "export")
+    with FakeTensorMode(), pytest.raises(AmpRewriteError, match=r"Call gm\.train\(\) once outside"):
+        gm.train()
+    assert not gm.training or isinstance(gm.__dict__[MODES_ATTR][True], PendingMode)
+    gm.eval().train()  # outside: captured
+    with FakeTensorMode():
+        gm.eval()
+        gm.train()  # captured already: a swap
+    assert gm.graph is not gm.__dict__[MODES_ATTR][False].graph
+
+
+def test_an_override_naming_only_the_other_mode_captures_it_at_conversion() -> None:
+    policy = PRESET.override(nodes={"add_": amprewrite.OpCategory.FP32})  # train mode only
+    with _counted_exports() as calls, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = amprewrite.convert(_model(training=False), (X,), policy=policy)
+    assert calls == [False, True]
+    assert isinstance(gm.__dict__[MODES_ATTR][True], nn.Module)

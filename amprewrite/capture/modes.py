@@ -5,9 +5,16 @@ records dropout with ``train=True`` or no dropout at all, batch norm with batch 
 and running-stat updates or with the running statistics, and the branch of every
 ``if self.training:``; the symbolic tracer does the same for the code it traces through (it
 keeps BatchNorm and Dropout as modules, which follow the flag, but not
-``F.dropout(x, p, self.training)`` or a branch). So ``convert`` captures the model in each
-mode (its flags flipped for the second capture, then put back), and the converted module
-holds the graph of the mode it is in.
+``F.dropout(x, p, self.training)`` or a branch). So a converted module needs a graph for each
+mode it runs in.
+
+**Lazily.** ``convert`` captures the mode the model is in; the other mode is *pending*
+(:class:`PendingMode`, which keeps what ``convert`` was given: the model, the example inputs,
+the policy and options) and is captured the first time ``gm.train(mode)`` / ``gm.eval()``
+switches to it (:func:`captured_mode`), with the model's flags set to that mode for the
+capture and put back after. Conversion costs one capture; a module never switched pays
+nothing more. A capture cannot run inside ``torch.compile``, ``torch.export`` or a fake or
+proxy tensor mode: a switch there to a pending mode raises, asking for one switch outside.
 
 The other mode's graph is a second converted GraphModule, its *sibling*, held in a plain
 attribute (:data:`MODES_ATTR`), not as a child: the ``state_dict`` keys, ``named_modules()``
@@ -29,9 +36,9 @@ flag set without ``train()``.
 
 Where the two captures record the same code (a model without mode-dependent ops, or
 symbolic capture of one whose only such ops are BatchNorm and Dropout modules) no sibling is
-kept. Where the other mode cannot be captured, the sibling is a graph that raises, naming
-the mode and the fix (:func:`not_captured_graph`), whether the module is called, compiled
-or exported in that mode.
+kept. Where the other mode cannot be captured, the switch warns and the sibling is a graph
+that raises, naming the mode and the fix (:func:`not_captured_graph`), whether the module is
+called, compiled or exported in that mode.
 """
 
 from __future__ import annotations
@@ -51,13 +58,14 @@ from ..runtime.weight_cache import CACHE_ATTR
 from ..runtime.weight_table import WEIGHTS_ATTR, WeightTable
 from .guards import InputGuards
 
-__all__ = ["MODES_ATTR", "MODE_KEY", "NOT_CAPTURED_KEY", "not_captured_graph",
-           "flipped_mode", "mode_name", "share_state", "share_runtime", "attach_modes",
-           "mode_graphs", "switch_graph", "relink_modes"]
+__all__ = ["MODES_ATTR", "MODE_KEY", "NOT_CAPTURED_KEY", "PendingMode", "not_captured_graph",
+           "in_mode", "mode_name", "share_state", "share_runtime", "attach_modes",
+           "mode_graphs", "pending_mode", "captured_mode", "switch_graph", "relink_modes"]
 
 MODES_ATTR = "_amp_by_mode"
 """``gm.__dict__[MODES_ATTR]``: ``(eval, train)``, what a call in each mode runs: None for
-the module's own graph, a sibling GraphModule, or a :class:`ModeNotCaptured`."""
+the module's own graph (or one graph serving both modes), a sibling GraphModule (whose
+``meta[NOT_CAPTURED_KEY]`` says if it raises), or a :class:`PendingMode` not captured yet."""
 
 MODE_KEY = "amprewrite_training"
 """``gm.meta[MODE_KEY]``: the mode (``model.training``) the graph was captured in."""
@@ -115,15 +123,24 @@ def not_captured_graph(main: fx.GraphModule, training: bool, exc: BaseException 
     return stub
 
 
+class PendingMode:
+    """A mode of a converted module not captured yet: :meth:`capture` captures it."""
+
+    def capture(self, main: fx.GraphModule, training: bool) -> fx.GraphModule | None:
+        """The finished graph of ``training`` mode for ``main`` (which holds the other mode's
+        graph), reading ``main``'s tensors; None where it is ``main``'s code; a graph that
+        raises (:func:`not_captured_graph`), with a warning, where the capture fails."""
+        raise NotImplementedError
+
+
 @contextlib.contextmanager
-def flipped_mode(model: nn.Module) -> Iterator[bool]:
-    """``model`` in the other mode (``model.train(not model.training)``) during the block,
-    every module's flag put back after (a model may hold a frozen part in eval mode)."""
+def in_mode(model: nn.Module, training: bool) -> Iterator[None]:
+    """``model`` in ``training`` mode (``model.train(training)``) during the block, every
+    module's flag put back after (a model may hold a frozen part in eval mode)."""
     flags = [(m, m.training) for m in model.modules()]
-    other = not model.training
-    model.train(other)
+    model.train(training)
     try:
-        yield other
+        yield
     finally:
         for module, flag in flags:
             module.training = flag
@@ -229,14 +246,53 @@ def _merge(held: nn.Module, child: nn.Module) -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # the modes of a converted module
-def attach_modes(main: fx.GraphModule, other: fx.GraphModule | None) -> None:
+def attach_modes(main: fx.GraphModule, other: fx.GraphModule | PendingMode | None) -> None:
     """Record what ``main`` runs in its other mode (None: its own graph serves both)."""
-    by_mode: list[fx.GraphModule | None] = [None, None]
-    by_mode[not main.meta[MODE_KEY]] = other
-    main.__dict__[MODES_ATTR] = tuple(by_mode)
-    if other is not None:
-        other.__dict__[MODES_ATTR] = (None, None)
-        share_runtime(main, other)
+    _set_mode(main, not main.meta[MODE_KEY], other)
+
+
+def _set_mode(gm: fx.GraphModule, training: bool,
+              entry: fx.GraphModule | PendingMode | None) -> None:
+    by_mode: list[Any] = [None, None]
+    by_mode[training] = entry
+    gm.__dict__[MODES_ATTR] = tuple(by_mode)
+    if isinstance(entry, fx.GraphModule):
+        entry.__dict__[MODES_ATTR] = (None, None)
+        share_runtime(gm, entry)
+
+
+def pending_mode(gm: fx.GraphModule) -> bool | None:
+    """The mode of ``gm`` not captured yet (it has not been switched to), or None."""
+    for training, entry in enumerate(gm.__dict__.get(MODES_ATTR, (None, None))):
+        if isinstance(entry, PendingMode):
+            return bool(training)
+    return None
+
+
+def captured_mode(gm: fx.GraphModule, training: bool) -> fx.GraphModule | None:
+    """What ``gm`` runs in ``training`` mode besides its own graph (``gm.__dict__[MODES_ATTR]``),
+    captured now if it was pending (and recorded: it is captured once)."""
+    entry = gm.__dict__[MODES_ATTR][training]
+    if not isinstance(entry, PendingMode):
+        return entry
+    _refuse_while_tracing(training)
+    other = entry.capture(gm, training)
+    _set_mode(gm, training, other)
+    return other
+
+
+def _refuse_while_tracing(training: bool) -> None:
+    fake, proxy = (torch._C._get_dispatch_mode(key) for key in (
+        torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY))
+    if torch.compiler.is_compiling() or fx._symbolic_trace.is_fx_symbolic_tracing() or \
+            fake is not None or proxy is not None:
+        name = mode_name(training)
+        raise AmpRewriteError(
+            f"this converted module was switched to {name} mode inside torch.compile, "
+            f"torch.export or a fake/proxy tensor mode, but its {name}-mode graph is captured "
+            f"the first time the module is switched to {name} mode, which cannot happen while "
+            f"tracing. Call gm.{name}() once outside the compiled or traced region first "
+            "(switching back and forth after that is cheap and works anywhere).")
 
 
 def mode_graphs(gm: fx.GraphModule) -> list[tuple[bool, fx.GraphModule]]:
@@ -246,13 +302,13 @@ def mode_graphs(gm: fx.GraphModule) -> list[tuple[bool, fx.GraphModule]]:
     by_mode = gm.__dict__.get(MODES_ATTR, (None, None))
     own = bool(gm.meta.get(MODE_KEY, gm.training))
     other = by_mode[not own]
-    return [] if other is None else [(own, gm), (not own, other)]
+    return [(own, gm), (not own, other)] if isinstance(other, fx.GraphModule) else []
 
 
 def switch_graph(gm: fx.GraphModule, training: bool) -> None:
     """Make ``gm`` hold the graph of ``training`` mode, its sibling the other (no-op where
-    ``gm`` holds it already or one graph serves both)."""
-    other = gm.__dict__[MODES_ATTR][training]
+    ``gm`` holds it already or one graph serves both); a pending mode is captured first."""
+    other = captured_mode(gm, training)
     if other is None:
         return
     mine, theirs = gm.__dict__, other.__dict__

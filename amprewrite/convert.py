@@ -95,6 +95,12 @@ def convert(
     Returns:
         A ``torch.fx.GraphModule``; ``print(gm.code)`` shows every cast, and
         ``amprewrite.explain(gm)`` every decision.
+
+    ``model`` is captured in the mode it is in (``model.training``); the other mode is
+    captured, with the same inputs and options, the first time ``gm.train(mode)`` /
+    ``gm.eval()`` switches to it (outside ``torch.compile`` and tracing; see
+    :mod:`amprewrite.capture.modes`). Until then ``gm`` holds a reference to ``model`` and
+    to the example inputs (and a deep copy of ``gm`` a copy of them).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"amprewrite.convert expects a torch.nn.Module, got "

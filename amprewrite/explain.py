@@ -173,9 +173,10 @@ def explain(target: Any) -> str:
     in; ``-`` for passthrough ops), ``out`` (the dtype it produces), ``rule`` (the table,
     override or autocast region that decided) and ``casts`` (cast nodes feeding it). Where
     the module's train and eval modes run different graphs, a ``mode`` column says which
-    mode a decision belongs to (or ``both``), and a summary line follows for each mode. A
-    mode the module was never switched to is not captured yet: the table shows the captured
-    mode's decisions, and a line says which mode is captured at its first switch.
+    mode a decision belongs to (or ``both``), and a summary line follows for each mode. Only
+    captured modes are shown: a mode the module was never switched to is captured at its first
+    switch (``gm.train()`` / ``gm.eval()``; until then, whether its graph differs is not known),
+    so explain a module after switching it to each mode to see both.
 
     ``target`` is a GraphModule from :func:`amprewrite.convert`, an
     :func:`amprewrite.backend` object, or a model from :func:`amprewrite.compile` (one
@@ -198,10 +199,6 @@ def explain(target: Any) -> str:
             lines.append(f"{mode} mode: " + (
                 f"not captured ({summary['not_captured']}): calling the module in {mode} "
                 "mode raises" if "not_captured" in summary else _summary_line(summary)))
-        if "not_captured_yet" in rec:
-            mode = rec["not_captured_yet"]
-            lines.append(f"{mode} mode: not captured yet (captured when the module is first "
-                         f"switched to it, by gm.{mode}())")
         parts.append("\n".join(line for line in lines if line))
     return "\n\n".join(parts)
 

@@ -94,7 +94,7 @@ def mode_name(training: bool) -> str:
 def not_captured_message(model_name: str, training: bool, reason: str) -> str:
     mode, back = mode_name(training), "eval" if training else "train"
     return (f"this converted {model_name} was called in {mode} mode, but {model_name} could "
-            f"not be captured in {mode} mode at conversion ({reason}); running its {back}-mode "
+            f"not be captured in {mode} mode ({reason}); running its {back}-mode "
             f"graph instead would silently compute the other mode. Call gm.{back}() to run "
             f"the {back}-mode graph, make the model's {mode}-mode code capturable (the error "
             "above), or use amprewrite.compile(model), which captures each mode as it runs.")

@@ -16,8 +16,8 @@ puts the plain generated code back (:mod:`.codegen`). A deep copy keeps both: to
 ``__deepcopy__`` finishes the copy as ``convert`` finished the original (:func:`finish`).
 
 **Modes.** ``train()`` (and so ``eval()``) makes the module hold the graph of its new mode
-(:func:`amprewrite.capture.modes.switch_graph`); the call checks once more, one tuple index,
-for a ``training`` flag set by hand.
+(:func:`amprewrite.capture.modes.switch_graph`), capturing it at the first switch to it; the
+call checks once more, one tuple index, for a ``training`` flag set by hand.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .capture.converted import capture_converted, is_converted
+from .graph.inputs import record_inputs
 from .capture.export import Regime, capture_export
 from .capture.persistence import match_persistence
 from .capture.state import preserved_global_state
@@ -112,7 +113,10 @@ def convert(
     with preserved_global_state():
         gm = _capture_and_rewrite(model, example_inputs, example_kwargs, policy, low, capture,
                                   opt_level, calibration)
-        return finish(gm)
+    if (example_inputs is not None or example_kwargs is not None) and not is_converted(model):
+        exported = capture == "export" or capture == "auto"
+        record_inputs(gm, model, example_inputs or (), example_kwargs, sizes_fixed=exported)
+    return finish(gm)
 
 
 def _capture_and_rewrite(model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None,

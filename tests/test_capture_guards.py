@@ -3,7 +3,6 @@ through torch.export's own wrapper under Dynamo."""
 
 from __future__ import annotations
 
-
 import copy
 import re
 

@@ -9,6 +9,7 @@ graph), ``policy/`` (which op runs in which precision), ``passes/`` (the graph r
 ``precision/`` (error per op against an fp64 shadow; the fp32 search), ``cli/``.
 """
 
+from . import versions  # first: a torch outside the tested range warns before anything fails
 from .audit.grad_hist import GradHistogram
 from .audit.lints import Lint, lint
 from .audit.report import AuditReport, OpRecord, audit

@@ -30,6 +30,7 @@ from .capture.state import preserved_global_state
 from .capture.symbolic import capture_symbolic, propagate_meta
 from .errors import AmpRewriteError
 from .graph.calling import finish
+from .graph.inputs import record_inputs
 from .graph.meta import META_KEY
 from .graph.queries import module_paths
 from .hardware import model_device, warn_if_slow
@@ -130,7 +131,17 @@ def convert(
     with preserved_global_state():
         gm = _capture_and_rewrite(model, example_inputs, example_kwargs, policy, low, capture,
                                   opt_level, calibration)
-        return finish(gm)
+    _record_inputs(gm, model, example_inputs, example_kwargs, capture)
+    return finish(gm)
+
+
+def _record_inputs(gm: fx.GraphModule, model: nn.Module, args: tuple | None,
+                   kwargs: dict[str, Any] | None, capture: str) -> None:
+    """The example inputs ``gm`` was captured for, named in the error of a call that does not
+    fit them (:mod:`.graph.inputs`)."""
+    if (args is not None or kwargs is not None) and not is_converted(model):
+        exported = capture == "export" or capture == "auto"
+        record_inputs(gm, model, args or (), kwargs, sizes_fixed=exported)
 
 
 class _ModePair:
@@ -188,7 +199,11 @@ class _OtherMode(PendingMode):
             pair.main, pair.main_code = main, self.main_code
         with preserved_global_state():
             other = self._capture(main, training, pair)
-        return None if other is None else finish(other)
+        if other is None:
+            return None
+        if NOT_CAPTURED_KEY not in other.meta:
+            _record_inputs(other, self.model, self.args, self.kwargs, self.capture_path)
+        return finish(other)
 
     def _capture(self, main: fx.GraphModule, training: bool,
                  pair: _ModePair) -> fx.GraphModule | None:

@@ -2,7 +2,8 @@
 
 Layers, lowest first (the README's "How it works" shows the same map)::
 
-    errors, hardware     no imports from the package
+    errors, hardware,    no imports from the package (versions: the tested torch range)
+    versions
     policy               which op runs in which precision (data and rules)
     runtime              what converted graphs call while they run
     graph                facts about nodes shared by capture, passes and tools
@@ -27,7 +28,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "amprewrite"
 
 LAYERS = [
-    {"errors", "hardware"},
+    {"errors", "hardware", "versions"},
     {"policy"},
     {"runtime"},
     {"graph"},

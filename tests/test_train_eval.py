@@ -392,3 +392,11 @@ def test_an_override_naming_only_the_other_mode_captures_it_at_conversion() -> N
         gm = amprewrite.convert(_model(training=False), (X,), policy=policy)
     assert calls == [False, True]
     assert isinstance(gm.__dict__[MODES_ATTR][True], nn.Module)
+
+
+def test_a_call_that_does_not_fit_the_capture_says_so_in_either_mode() -> None:
+    gm = _convert(_model(training=False), "export")
+    for training in (False, True, False):
+        gm.train(training)
+        with pytest.raises(AmpRewriteError, match="captured for float32 of shape"):
+            gm(X[:, :4])

@@ -27,6 +27,7 @@ import torch
 from tabulate import tabulate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # _versions, read by the checks
 sys.path.insert(0, str(ROOT / "tests" / "models"))
 
 import transformers  # noqa: E402

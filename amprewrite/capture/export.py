@@ -47,6 +47,9 @@ import torch.nn as nn
 
 from ..errors import AmpRewriteError
 from ..graph.queries import mutated
+from ..versions import check_transformers
+from .custom_functions import custom_functions_in
+from .layerdrop import DecidedDraws
 from .facts import GRAD_KEY, LIFTED_CONSTANTS, REGION_KEY, TRACED_IN_FP32, Region
 from .guards import fast_input_guards
 
@@ -105,14 +108,16 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
 def _export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, shapes: Any,
             regime: Regime | None, faithful: bool) -> torch.export.ExportedProgram:
     _register_hf_caches(model)
-    with contextlib.ExitStack() as stack, _SeenFunctions() as functions:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(DecidedDraws())
         if faithful:
             stack.enter_context(_FaithfulConversions())
         if regime is not None:
             stack.enter_context(torch.autocast(regime[0], dtype=regime[1]))
         ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
-    if functions.seen:
-        names = ", ".join(sorted(functions.seen))
+    functions = custom_functions_in(ep.graph)
+    if functions:
+        names = ", ".join(sorted(functions))
         warnings.warn(
             f"amprewrite: {type(model).__name__} calls custom torch.autograd.Function(s) "
             f"{names}. torch.export records the ops of their forward, so autograd "
@@ -128,6 +133,7 @@ def _register_hf_caches(model: nn.Module) -> None:
     model with ``use_cache=True`` returns; transformers ships the registration."""
     if "transformers" not in sys.modules:
         return
+    check_transformers()
     try:
         from transformers.exporters.exporter_dynamo import (
             register_cache_pytrees_for_model,
@@ -142,28 +148,6 @@ def _register_hf_caches(model: nn.Module) -> None:
         register_dynamic_cache_export_support()
         return
     register_cache_pytrees_for_model(model)
-
-
-class _SeenFunctions:
-    """Records which user-defined ``torch.autograd.Function`` classes run while it is open."""
-
-    def __enter__(self) -> "_SeenFunctions":
-        self.seen: set[str] = set()
-        # NB: the classmethod descriptor itself, not ``Function.apply`` (a method bound to
-        # Function): putting a bound method back would bind every subclass's apply to Function.
-        self._apply = torch.autograd.Function.__dict__["apply"]
-        seen, apply = self.seen, self._apply.__func__
-
-        def recording_apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
-            if not cls.__module__.startswith("torch."):
-                seen.add(f"{cls.__module__}.{cls.__qualname__}")
-            return apply(cls, *args, **kwargs)
-
-        torch.autograd.Function.apply = classmethod(recording_apply)  # type: ignore[method-assign]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        setattr(torch.autograd.Function, "apply", self._apply)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -32,7 +32,9 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..capture.modes import MODES_ATTR, relink_modes, switch_graph
+from ..errors import AmpRewriteError
 from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
+from .inputs import input_mismatch
 from .codegen import recompile_with_bindings
 
 __all__ = ["finish", "failure_context"]
@@ -88,6 +90,9 @@ def _converted_call(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
     try:
         return nn.Module.__call__(self, *args, **kwargs)
     except Exception as exc:
+        mismatch = input_mismatch(self, type(self).__name__, args, kwargs)
+        if mismatch is not None:
+            raise AmpRewriteError(mismatch) from exc
         context = failure_context(exc)
         if context is not None:
             print(context, file=sys.stderr)

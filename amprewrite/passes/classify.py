@@ -24,8 +24,10 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from ..capture.facts import GRAD_MODE_FUNCTIONS, REGION_KEY, Region
 from ..capture.guards import is_input_guards
+from ..errors import AmpRewriteError
 from ..graph.meta import META_KEY, Decision, cast_info
 from ..graph.queries import module_paths
+from ..policy.kernels import has_low_kernel
 from ..policy.opkey import is_inplace, op_key, overload_key
 from ..policy.policy import Policy
 from ..policy.tables import OpCategory
@@ -52,6 +54,14 @@ def _is_export_guard(node: fx.Node) -> bool:
     inlined ``no_grad`` region: not ops of the model, never cast."""
     return is_input_guards(node) or \
         (node.op == "call_function" and node.target in GRAD_MODE_FUNCTIONS)
+
+
+def _device_type(node: fx.Node) -> str | None:
+    """The device ``node`` computes on, from its value (None where unknown)."""
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+    return val.device.type if isinstance(val, torch.Tensor) else None
 
 
 class ClassifyPass(PassBase):
@@ -82,6 +92,8 @@ class ClassifyPass(PassBase):
     def classify(self, node: fx.Node) -> Decision:
         key = op_key(node)
         override = self._override(node, key)
+        if override is not None and override[0] is OpCategory.LOWER:
+            self._check_kernel(node, key, override[1])
         category, rule = override or self._category(node, key)
         low = self._region_dtype(node) or self.dtype
         if category is OpCategory.LOWER:
@@ -97,6 +109,15 @@ class ClassifyPass(PassBase):
         # The user's overrides have the last word; below them, calibrated ranges
         # (convert(calibrate=...)) can move an op to fp32: see passes/calibrate.py.
         return rec if override is not None else range_rule(node, rec, self.policy, self.dtype)
+
+    def _check_kernel(self, node: fx.Node, key: str, rule: str) -> None:
+        device = _device_type(node)
+        if device is not None and not has_low_kernel(key, device, self.dtype):
+            raise AmpRewriteError(
+                f"The {rule} lowers {node.format_node()} to {self.dtype}, but {key} has no "
+                f"{self.dtype} kernel on {device}: it would fail at run time. Remove the "
+                "override (the op then runs in fp32) or run the model on a device that has "
+                "the kernel.")
 
     def _override(self, node: fx.Node, key: str) -> tuple[OpCategory, str] | None:
         """The user's node, module or op override of ``node``, most specific first."""
@@ -122,9 +143,13 @@ class ClassifyPass(PassBase):
         if is_inplace(node):
             return OpCategory.PASSTHROUGH, "in-place op (never cast)"
         by_table = policy.table_rule(key, overload_key(node)) or policy.composite_rule(key)
-        if by_table is not None:
-            return by_table
-        return policy.unlisted_rule(key)
+        category, rule = by_table if by_table is not None else policy.unlisted_rule(key)
+        if category in (OpCategory.LOWER, OpCategory.PASSTHROUGH):
+            device = _device_type(node)
+            if device is not None and not has_low_kernel(key, device, self.dtype):
+                dtype = str(self.dtype).removeprefix("torch.")
+                return OpCategory.FP32, f"no {dtype} kernel on {device}"
+        return category, rule
 
     def _region(self, node: fx.Node) -> Region | None:
         """The model's own autocast region around ``node``, if it applies under this policy:

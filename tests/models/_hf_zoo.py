@@ -62,7 +62,10 @@ class Arch:
         torch.manual_seed(0)
         model = self.model_class(self.config())
         if self.gradient_checkpointing:
-            model.activation_checkpointing_enable()  # non-reentrant
+            # non-reentrant by default; transformers before 5.18 names it gradient_...
+            enable = getattr(model, "activation_checkpointing_enable", None) or \
+                model.gradient_checkpointing_enable
+            enable()
         return model.eval()
 
     def example(self) -> Example:

@@ -14,6 +14,17 @@ traces from its first frame, and which reports a failing generated line as torch
 puts the plain generated code back (:mod:`.codegen`). A deep copy keeps both: torch.fx's
 ``__deepcopy__`` builds the copy through a new class and ``recompile()``, so the class's
 ``__deepcopy__`` finishes the copy as ``convert`` finished the original (:func:`finish`).
+
+Each call first lets the module's :class:`~amprewrite.runtime.model_watch.ModelWatch` keep its
+tensors the model's own (two integer reads when nothing changed).
+
+Pickling (``torch.save(gm)``): torch.fx pickles a GraphModule as its generated code and
+traces that code again on load, with the tracer class the module names (``_tracer_cls``).
+A module converted from a torch.export capture names torch.export's, which needs arguments
+the pickle does not hold, and any other tracer would run the forward's weight read during
+that trace, so :func:`_reduce_converted` names the symbolic capture's tracer, which traces the weight read back into reads and casts of the
+loaded module's own parameters. The loaded module is a plain GraphModule: the same outputs,
+its weight casts made on every call (and an O2 module's optimizer bound again).
 """
 
 from __future__ import annotations
@@ -23,9 +34,13 @@ import sys
 import traceback
 from typing import Any
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from ..capture.guards import GUARDS_ATTR, InputGuards
+from ..capture.symbolic import _AmpTracer
+from ..runtime.model_watch import WATCH_ATTR
 from .codegen import recompile_with_bindings
 
 __all__ = ["finish", "failure_context"]
@@ -39,6 +54,7 @@ def finish(gm: fx.GraphModule) -> fx.GraphModule:
     cls = type(gm)
     cls.__call__ = _converted_call
     cls.__deepcopy__ = _finished_copy
+    cls.__reduce__ = _reduce_converted
     return gm
 
 
@@ -46,7 +62,29 @@ def _finished_copy(self: fx.GraphModule, memo: dict[int, Any]) -> fx.GraphModule
     return finish(fx.GraphModule.__deepcopy__(self, memo))
 
 
+_UNPICKLABLE = (
+    "amprewrite: this converted module cannot be pickled (torch.save(gm) / pickle.dumps(gm)): "
+    "its forward checks its inputs with torch.export's generated function in a form this torch "
+    "version wraps in a way amprewrite cannot read back. Save it one of these ways instead: (1) the weights, converted again "
+    "on load: torch.save(gm.state_dict(), f); then model.load_state_dict(torch.load(f)) and "
+    "amprewrite.convert(model, example_inputs, ...); (2) the program: "
+    "torch.export.save(torch.export.export(gm, example_inputs), f), loaded with "
+    "torch.export.load(f).module() (needs only torch). copy.deepcopy(gm) works in-process.")
+
+
+def _reduce_converted(self: fx.GraphModule) -> Any:
+    guards = self._modules.get(GUARDS_ATTR)
+    if guards is not None and not isinstance(guards, InputGuards):
+        raise TypeError(_UNPICKLABLE)
+    rebuild, (body, import_block) = fx.GraphModule.__reduce__(self)
+    body["_tracer_cls"], body["_tracer_extras"] = _AmpTracer, {}  # NB: module docstring
+    return rebuild, (body, import_block)
+
+
 def _converted_call(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+    watch = self.__dict__.get(WATCH_ATTR)
+    if watch is not None and not torch.compiler.is_compiling():
+        watch.check()
     try:
         return nn.Module.__call__(self, *args, **kwargs)
     except Exception as exc:

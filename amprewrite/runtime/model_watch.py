@@ -96,6 +96,7 @@ class ModelWatch:
         self._report_new_hooks(model)
 
     def _follow_replaced(self) -> None:
+        diverged = []
         for i, slot in enumerate(self._slots):
             theirs, ours = _held(slot.model_owner, slot), _held(slot.own_owner, slot)
             if theirs is not self._shared[i] and theirs is not None:
@@ -103,12 +104,16 @@ class ModelWatch:
                 self._shared[i] = theirs
             elif ours is not theirs and ("replaced", slot.name) not in self._warned:
                 self._warned.add(("replaced", slot.name))
-                warnings.warn(
-                    f"amprewrite: {slot.name!r} was replaced on the converted module after "
-                    "conversion; the model it was converted from still holds the old tensor, "
-                    "so saving or evaluating that model uses the old values. Replace it on the "
-                    f"model instead (the converted module follows the model), or save the "
-                    "converted module's state_dict().", stacklevel=4)
+                diverged.append(slot.name)
+        if diverged:
+            names = ", ".join(map(repr, diverged[:6])) + (", ..." if len(diverged) > 6 else "")
+            warnings.warn(
+                f"amprewrite: {len(diverged)} tensor{'s were' if len(diverged) > 1 else ' was'} "
+                f"replaced on the converted module after conversion ({names}); the model it "
+                "was converted from still holds the old ones, so saving or evaluating that "
+                "model uses the old values. Replace them on the model instead (the converted "
+                "module follows the model), or save the converted module's state_dict().",
+                stacklevel=4)
 
     def _report_new_hooks(self, model: nn.Module) -> None:
         for name, module in model.named_modules():

@@ -66,6 +66,9 @@ class Options:
     optimizer: str
     inference_mode: bool = False
     """Whether the inference phase runs under ``torch.inference_mode()`` (else ``no_grad``)."""
+    cache_weights: bool = False
+    """Whether the inference phase runs inside ``amprewrite.cache_weights`` (the fast path:
+    kept weight copies reused across calls), else by default (rewritten every call)."""
     phases: tuple[str, ...] = PHASES
 
 

@@ -155,6 +155,9 @@ def phase_fns(phase: str, runs: dict[str, Callable[[], Any]], modules: dict[str,
     """The function each variant times in ``phase``. Training binds O2's masters to its
     optimizer for as long as ``stack`` is open."""
     if phase == "inference":
+        if opts.cache_weights:  # the fast path's promise, for the whole phase
+            for module in modules.values():
+                stack.enter_context(amprewrite.cache_weights(module))
         return {name: inference(run, opts.inference_mode) for name, run in runs.items()}
     fns = {}
     for name, run in runs.items():

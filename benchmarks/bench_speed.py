@@ -16,7 +16,9 @@ amprewrite with ``Policy(dtype=...)`` (CUDA AMP rules, shared activation casts);
 masters; everything in low precision on the module's own weights).
 
 Phases (``--phases``): an inference forward under ``torch.no_grad`` (``--inference-mode``:
-under ``torch.inference_mode``, as serving code often runs), and a training step: forward, loss
+under ``torch.inference_mode``, as serving code often runs; ``--cache-weights``: inside
+``amprewrite.cache_weights``, the fast path that reuses kept weight copies across calls), and
+a training step: forward, loss
 (outside autocast, as the AMP recipes take it), backward, ``optimizer.step()`` and
 ``optimizer.zero_grad()``. Every variant steps its own optimizer, of the same kind, over its
 own parameters: O2's are the fp32 masters bound with ``amprewrite.MasterWeights`` (the step
@@ -309,6 +311,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--inference-mode", action="store_true",
                         help="run the inference phase under torch.inference_mode() instead of "
                         "torch.no_grad(), as serving code often does")
+    parser.add_argument("--cache-weights", action="store_true",
+                        help="run the inference phase of the converted variants inside "
+                        "amprewrite.cache_weights (kept weight copies reused across calls) "
+                        "instead of the default, which rewrites them every call")
     parser.add_argument("--optimizer", default="sgd", choices=tuple(OPTIMIZERS),
                         help=f"the optimizer of every variant's training step, lr {LR:g} "
                         "(default: sgd)")
@@ -350,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     opts = Options(args.device, dtype, args.size, args.models,
                    sorted({"autocast", *args.variants}, key=VARIANTS.index), args.shapes,
                    args.rounds or (5 if args.quick else 25), args.quick, args.compile,
-                   args.optimizer, args.inference_mode, tuple(args.phases))
+                   args.optimizer, args.inference_mode, args.cache_weights, tuple(args.phases))
     command = " ".join(["python benchmarks/bench_speed.py",
                         *(argv if argv is not None else sys.argv[1:])])
     units = sum(len(describe(k, opts.size, opts.quick, opts.shapes)[1]) for k in opts.models)

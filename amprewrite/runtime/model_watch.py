@@ -63,7 +63,9 @@ class _Slot(NamedTuple):
     kind: str
     """``"_parameters"`` or ``"_buffers"``."""
     attr: str
-    model_owner: nn.Module
+    model_owner: weakref.ref
+    """The model's module holding it, weakly: the watch must keep no tensor of the model
+    alive (a replaced parameter would live as long as the converted module)."""
     own_owner: nn.Module
 
 
@@ -78,7 +80,8 @@ class ModelWatch:
             _counting[0] = True
         self._model = weakref.ref(model)
         self._slots = _shared_slots(gm, model)
-        self._shared = [_held(s.model_owner, s) for s in self._slots]
+        self._shared = [weakref.ref(_held(s.own_owner, s)) for s in self._slots]
+        """Each slot's tensor as last shared, weakly (see _Slot.model_owner)."""
         self._hooks = set(_hook_ids(model))
         self._warned: set[Any] = set()
         self._stamp = _changes()
@@ -98,10 +101,13 @@ class ModelWatch:
     def _follow_replaced(self) -> None:
         diverged = []
         for i, slot in enumerate(self._slots):
-            theirs, ours = _held(slot.model_owner, slot), _held(slot.own_owner, slot)
-            if theirs is not self._shared[i] and theirs is not None:
+            owner = slot.model_owner()
+            if owner is None:
+                continue
+            theirs, ours = _held(owner, slot), _held(slot.own_owner, slot)
+            if theirs is not self._shared[i]() and theirs is not None:
                 getattr(slot.own_owner, slot.kind)[slot.attr] = theirs
-                self._shared[i] = theirs
+                self._shared[i] = weakref.ref(theirs)
             elif ours is not theirs and ("replaced", slot.name) not in self._warned:
                 self._warned.add(("replaced", slot.name))
                 diverged.append(slot.name)
@@ -166,7 +172,7 @@ def _shared_slots(gm: nn.Module, model: nn.Module) -> list[_Slot]:
                 except AttributeError:
                     continue
                 if tensor is not None and getattr(owner, kind).get(attr) is tensor:
-                    slots.append(_Slot(qualified, kind, attr, owner, module))
+                    slots.append(_Slot(qualified, kind, attr, weakref.ref(owner), module))
     return slots
 
 

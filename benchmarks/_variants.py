@@ -41,8 +41,9 @@ def _converters(device: str, dtype: torch.dtype
             m, a, policy=amprewrite.Policy.autocast(device, dtype)),
         "default": lambda m, a: amprewrite.convert(m, a, policy=amprewrite.Policy(dtype=dtype)),
         # O2 trains masters of its own: on shared ones, every other variant's step would make
-        # its stored copies stale, and each O2 forward would rewrite them (a cost that real
-        # training, where only O2's own step moves them, never pays twice).
+        # its stored copies stale, and each O2 forward would remake them (inside
+        # amprewrite.cache_weights, a cost that real training, where only O2's own step moves
+        # them, never pays twice; outside it every forward rewrites them anyway).
         "O2": lambda m, a: amprewrite.convert(copy.deepcopy(m), a, opt_level="O2", dtype=dtype),
         "O3": lambda m, a: amprewrite.convert(m, a, opt_level="O3", dtype=dtype),
     }

@@ -28,8 +28,8 @@ step.
 
 fp32, autocast, preset and default all train the model's own parameters, so each of their
 steps moves the weights that the others then run on (O2 trains a copy of the model: on shared
-masters its stored low-precision copies would be rewritten in every forward, which real O2
-training never does). Two choices keep that harmless:
+masters its stored low-precision copies would be refreshed after every variant's step, which
+real O2 training never does). Two choices keep that harmless:
 the learning rate is 1e-6, so that the weights barely move while the variants are timed
 (the work of a step does not depend on the values, barring inf and NaN), and the shared
 weights are restored after each training phase, so that every shape and phase starts from

@@ -82,9 +82,11 @@ def _reduce_converted(self: fx.GraphModule) -> Any:
 
 
 def _converted_call(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
-    watch = self.__dict__.get(WATCH_ATTR)
-    if watch is not None and not torch.compiler.is_compiling():
-        watch.check()
+    # NB: is_compiling first: Dynamo folds it to True and never sees the watch.
+    if not torch.compiler.is_compiling():
+        watch = self.__dict__.get(WATCH_ATTR)
+        if watch is not None:
+            watch.check()
     try:
         return nn.Module.__call__(self, *args, **kwargs)
     except Exception as exc:

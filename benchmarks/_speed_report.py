@@ -154,11 +154,12 @@ def _explanation(opts: Options) -> str:
         "gives their largest difference); `default` `Policy(dtype=...)` (CUDA AMP rules, "
         "shared activation casts); `O2` `opt_level=\"O2\"` (stored low-precision copies of "
         "fp32 master weights, norms in fp32); `O3` `opt_level=\"O3\"` (everything in low "
-        "precision, on its own low-precision weights). Shapes are batch x features, images "
+        "precision, on its own low-precision weights); `cached` `preset` run inside "
+        "`amprewrite.cache_weights` (kept weight copies reused across calls instead of "
+        "rewritten each call; inference only). Shapes are batch x features, images "
         "or tokens; the launch-bound model is 50 blocks `x + Linear(LayerNorm(x))` of width "
         "8 at batch 2, where the time is per-op overhead on the host. `inference` is one "
-        f"forward under `{'inference_mode' if opts.inference_mode else 'no_grad'}`"
-        f"{' inside `amprewrite.cache_weights`' if opts.cache_weights else ''}; "
+        f"forward under `{'inference_mode' if opts.inference_mode else 'no_grad'}`; "
         "`train step` is forward, loss (mean square of the output, outside "
         f"autocast), backward, `{optimizer}.step()` (lr {LR:g}, no loss scaler) and "
         "`zero_grad()`, each variant with its own optimizer over its own parameters (O2: the "
@@ -210,8 +211,7 @@ def title(opts: Options) -> str:
     sizes = "the launch-bound model" if opts.models == ["launch"] else f"{opts.size} sizes"
     return f"{opts.device}, {_dtype_name(opts.dtype)}" + \
         (" + torch.compile" if opts.compile else "") + f", {sizes}" + \
-        (", inference under torch.inference_mode" if opts.inference_mode else "") + \
-        (", inside amprewrite.cache_weights" if opts.cache_weights else "")
+        (", inference under torch.inference_mode" if opts.inference_mode else "")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -9,10 +9,12 @@ from typing import Callable
 import torch
 from _timing import CastCount
 
-VARIANTS = ("fp32", "autocast", "preset", "default", "O2", "O3")
-CONVERTED = ("preset", "default", "O2", "O3")
+VARIANTS = ("fp32", "autocast", "preset", "default", "O2", "O3", "cached")
+CONVERTED = ("preset", "default", "O2", "O3", "cached")
 SHORT = {"fp32": "fp32", "autocast": "ac", "preset": "pre", "default": "def", "O2": "O2",
-          "O3": "O3"}
+          "O3": "O3", "cached": "cac"}
+INFERENCE_ONLY = ("cached",)
+"""Variants that only the inference phase runs."""
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
@@ -66,9 +68,6 @@ class Options:
     optimizer: str
     inference_mode: bool = False
     """Whether the inference phase runs under ``torch.inference_mode()`` (else ``no_grad``)."""
-    cache_weights: bool = False
-    """Whether the inference phase runs inside ``amprewrite.cache_weights`` (the fast path:
-    kept weight copies reused across calls), else by default (rewritten every call)."""
     phases: tuple[str, ...] = PHASES
 
 

@@ -13,12 +13,12 @@ Variants: ``fp32`` eager; ``autocast``: ``torch.autocast``; ``preset``: amprewri
 ``Policy.autocast(device, dtype)`` (autocast's numerics, checked bitwise here); ``default``:
 amprewrite with ``Policy(dtype=...)`` (CUDA AMP rules, shared activation casts); ``O2`` and
 ``O3``: ``convert(..., opt_level="O2"/"O3", dtype=...)`` (low-precision weights with fp32
-masters; everything in low precision on the module's own weights).
+masters; everything in low precision on the module's own weights); ``cached``: ``preset``'s
+module run inside ``amprewrite.cache_weights`` (its kept weight copies reused across calls
+instead of rewritten each call; inference only).
 
 Phases (``--phases``): an inference forward under ``torch.no_grad`` (``--inference-mode``:
-under ``torch.inference_mode``, as serving code often runs; ``--cache-weights``: inside
-``amprewrite.cache_weights``, the fast path that reuses kept weight copies across calls), and
-a training step: forward, loss
+under ``torch.inference_mode``, as serving code often runs), and a training step: forward, loss
 (outside autocast, as the AMP recipes take it), backward, ``optimizer.step()`` and
 ``optimizer.zero_grad()``. Every variant steps its own optimizer, of the same kind, over its
 own parameters: O2's are the fp32 masters bound with ``amprewrite.MasterWeights`` (the step
@@ -311,10 +311,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--inference-mode", action="store_true",
                         help="run the inference phase under torch.inference_mode() instead of "
                         "torch.no_grad(), as serving code often does")
-    parser.add_argument("--cache-weights", action="store_true",
-                        help="run the inference phase of the converted variants inside "
-                        "amprewrite.cache_weights (kept weight copies reused across calls) "
-                        "instead of the default, which rewrites them every call")
     parser.add_argument("--optimizer", default="sgd", choices=tuple(OPTIMIZERS),
                         help=f"the optimizer of every variant's training step, lr {LR:g} "
                         "(default: sgd)")
@@ -356,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     opts = Options(args.device, dtype, args.size, args.models,
                    sorted({"autocast", *args.variants}, key=VARIANTS.index), args.shapes,
                    args.rounds or (5 if args.quick else 25), args.quick, args.compile,
-                   args.optimizer, args.inference_mode, args.cache_weights, tuple(args.phases))
+                   args.optimizer, args.inference_mode, tuple(args.phases))
     command = " ".join(["python benchmarks/bench_speed.py",
                         *(argv if argv is not None else sys.argv[1:])])
     units = sum(len(describe(k, opts.size, opts.quick, opts.shapes)[1]) for k in opts.models)

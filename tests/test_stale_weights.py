@@ -335,3 +335,22 @@ def test_input_check_from_another_python_says_so() -> None:
     code = guards.__reduce__()[1][0]
     with pytest.raises(TypeError, match="pickled on Python 2.7"):
         _rebuilt_guards(code, (2, 7))
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["default", "cache_weights"])
+def test_serving_under_inference_mode_follows_updates(kept: bool) -> None:
+    """The serving pattern: ``inference_mode`` forwards between weight updates (O1 and O2)."""
+    for level in ("O1", "O2"):
+        model, source = mlp(), mlp(1)
+        gm = convert(model) if level == "O1" else convert(model, opt_level="O2")
+        with amprewrite.cache_weights(gm) if kept else _nothing():
+            with torch.inference_mode():
+                before = gm(X)
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), source.parameters()):
+                    p.copy_(q)  # moves the version counters: followed either way
+            with torch.inference_mode():
+                after = gm(X)
+        fresh = convert(source) if level == "O1" else convert(source, opt_level="O2")
+        assert not torch.equal(before, after)
+        assert torch.equal(after, infer(fresh, False)), level

@@ -107,8 +107,9 @@ class WeightCastCache:
         last checked against; -1 makes the next kept lookup drop them."""
 
     def cast(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``weight`` in ``dtype``: tracked by autograd when a gradient is needed, else the
-        cached copy (made or refreshed here when missing or stale)."""
+        """``weight`` in ``dtype``: tracked by autograd when a gradient is needed; else, inside
+        ``cache_weights``, the kept copy (made or refreshed here when missing or stale), and
+        outside it a cast made now."""
         # Runs once per weight cast per forward: the common paths are a few cheap checks. A
         # weight already in ``dtype`` is the copy :meth:`lookup_many` handed the forward.
         if weight.dtype is dtype:

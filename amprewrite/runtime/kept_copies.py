@@ -3,10 +3,12 @@
 A converted module keeps low-precision copies of the weights it lowers (O1: those a call
 needs no gradient for; O2: its stored copies). By default every call rewrites them from the
 current weights (:mod:`.weight_cache`), because some writes change a weight without any sign a
-cheap check can read: writes through ``p.data`` (EMA and weight-loading code), fused
-optimizers, FSDP2's in-place all-gather. :func:`cache_weights` is the caller's promise that
+cheap check of the weight can read: writes through ``p.data`` (EMA and weight-loading
+code), FSDP2's in-place all-gather, fused optimizer steps (these a global step hook does see,
+:mod:`.optimizer_steps`). :func:`cache_weights` is the caller's promise that
 no such write happens inside its region, which lets the module reuse the copies while they
-are provably current: the copy rewrite, a third of a launch-bound forward's time saved.
+are provably current, saving the rewrite (about 1 µs per weight on a CPU: 10-13% of the
+launch-bound benchmark forward, BENCHMARKS.md cpu-launch-copies).
 :func:`clear_weight_cache` is the way out after a write the promise did not cover.
 """
 

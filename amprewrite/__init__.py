@@ -22,7 +22,7 @@ from .precision.compare import GradError, NodeError, PrecisionReport, compare
 from .precision.search import SearchResult, search
 from .policy.registry import register_op, unregister_op
 from .policy.tables import OpCategory
-from .runtime.weight_cache import clear_weight_cache
+from .runtime.kept_copies import cache_weights, clear_weight_cache
 from .training.master_weights import MasterWeights
 from .training.memory import MemoryComparison, MemoryReport, compare_memory, memory_report
 from .training.scaler_monitor import ScalerMonitor, StepRecord
@@ -30,7 +30,7 @@ from .training.scaler_monitor import ScalerMonitor, StepRecord
 __all__ = [
     # convert a model
     "convert", "Policy", "OpCategory", "register_op", "unregister_op", "AmpRewriteError",
-    "clear_weight_cache",
+    "clear_weight_cache", "cache_weights",
     # models with graph breaks
     "compile", "backend", "AmpBackend",
     # see what it did

@@ -39,6 +39,7 @@ from .passes.gather_weights import gather_weights
 from .passes.opt_levels import apply_opt_level, check_opt_level, low_precision_twin
 from .passes.pipeline import run_passes
 from .policy.policy import Policy, check_low_dtype
+from .runtime.model_watch import watch_model
 
 __all__ = ["convert", "resolve_dtype"]
 
@@ -131,6 +132,8 @@ def convert(
     with preserved_global_state():
         gm = _capture_and_rewrite(model, example_inputs, example_kwargs, policy, low, capture,
                                   opt_level, calibration)
+        if opt_level != "O3":  # O3 runs on its own copy of the model: nothing is shared
+            watch_model(gm, model)
     _record_inputs(gm, model, example_inputs, example_kwargs, capture)
     return finish(gm)
 

@@ -9,10 +9,12 @@ from typing import Callable
 import torch
 from _timing import CastCount
 
-VARIANTS = ("fp32", "autocast", "preset", "default", "O2", "O3")
-CONVERTED = ("preset", "default", "O2", "O3")
+VARIANTS = ("fp32", "autocast", "preset", "default", "O2", "O3", "cached")
+CONVERTED = ("preset", "default", "O2", "O3", "cached")
 SHORT = {"fp32": "fp32", "autocast": "ac", "preset": "pre", "default": "def", "O2": "O2",
-          "O3": "O3"}
+          "O3": "O3", "cached": "cac"}
+INFERENCE_ONLY = ("cached",)
+"""Variants that only the inference phase runs."""
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}

@@ -38,6 +38,7 @@ from _models import MODEL_KEYS, SIZES, build_case, first_tensor  # noqa: E402
 from _speed_report import add_markdown_option, machine, title, write_section  # noqa: E402
 from _speed_types import (  # noqa: E402
     CONVERTED,
+    INFERENCE_ONLY,
     OPTIMIZERS,
     VARIANTS,
     Options,
@@ -144,9 +145,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--models", default=["launch"],
                         type=lambda t: key_list(t, MODEL_KEYS, "model"),
                         help=f"any of {', '.join(MODEL_KEYS)}")
+    trained = tuple(v for v in VARIANTS if v not in INFERENCE_ONLY)
     parser.add_argument("--variants", default=["autocast", "preset", "default", "O2"],
-                        type=lambda t: key_list(t, VARIANTS, "variant"),
-                        help=f"any of {', '.join(VARIANTS)} (autocast is always run)")
+                        type=lambda t: key_list(t, trained, "variant"),
+                        help=f"any of {', '.join(trained)} (autocast is always run)")
     parser.add_argument("--shape", default=None,
                         help="the shape label to run (default: each model's first)")
     parser.add_argument("--optimizer", default="sgd", choices=tuple(OPTIMIZERS))

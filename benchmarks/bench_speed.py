@@ -13,7 +13,9 @@ Variants: ``fp32`` eager; ``autocast``: ``torch.autocast``; ``preset``: amprewri
 ``Policy.autocast(device, dtype)`` (autocast's numerics, checked bitwise here); ``default``:
 amprewrite with ``Policy(dtype=...)`` (CUDA AMP rules, shared activation casts); ``O2`` and
 ``O3``: ``convert(..., opt_level="O2"/"O3", dtype=...)`` (low-precision weights with fp32
-masters; everything in low precision on the module's own weights).
+masters; everything in low precision on the module's own weights); ``cached``: ``preset``'s
+module run inside ``amprewrite.cache_weights`` (its kept weight copies reused across calls
+instead of rewritten each call; inference only).
 
 Phases (``--phases``): an inference forward under ``torch.no_grad`` (``--inference-mode``:
 under ``torch.inference_mode``, as serving code often runs), and a training step: forward, loss
@@ -26,8 +28,8 @@ step.
 
 fp32, autocast, preset and default all train the model's own parameters, so each of their
 steps moves the weights that the others then run on (O2 trains a copy of the model: on shared
-masters its stored low-precision copies would be rewritten in every forward, which real O2
-training never does). Two choices keep that harmless:
+masters its stored low-precision copies would be refreshed after every variant's step, which
+real O2 training never does). Two choices keep that harmless:
 the learning rate is 1e-6, so that the weights barely move while the variants are timed
 (the work of a step does not depend on the values, barring inf and NaN), and the shared
 weights are restored after each training phase, so that every shape and phase starts from

@@ -96,3 +96,30 @@ def test_trainer_on_the_converted_module_matches_its_own_bf16_amp(tmp_path: path
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "saved")
     for name, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value), name
+
+
+def test_trainer_evaluation_after_fused_steps_sees_the_trained_weights(tmp_path: pathlib.Path
+                                                                      ) -> None:
+    """Trainer's default optimizer is fused AdamW, whose steps move no version counter, and
+    its evaluation runs under ``no_grad``: the evaluated loss is the trained model's, equal
+    to the eager model's loss under torch.autocast (lr 5e-2, so that stale weights would
+    give another loss)."""
+    model = _model()
+    gm = _convert(model)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, per_device_eval_batch_size=4,
+        max_steps=3, learning_rate=5e-2, report_to=[], use_cpu=True, save_strategy="no",
+        logging_strategy="no", eval_strategy="steps", eval_steps=2, dataloader_num_workers=0,
+        seed=0, disable_tqdm=True)
+    assert args.optim == "adamw_torch_fused"
+    trainer = transformers.Trainer(model=gm, args=args, train_dataset=_Batches(),
+                                   eval_dataset=_Batches())
+    trainer.train()  # evaluates after step 2 as well: copies made there must not outlive step 3
+    loss = trainer.evaluate()["eval_loss"]
+    losses = []
+    for start in range(0, 12, 4):  # Trainer's eval loss: the mean of its batches' losses
+        batch = {k: torch.stack([_Batches()[i][k] for i in range(start, start + 4)])
+                 for k in ("input_ids", "labels")}
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            losses.append(model(**batch).loss)
+    assert loss == pytest.approx(torch.stack(losses).mean().item(), abs=1e-6)

@@ -1,4 +1,5 @@
-"""Weight casts: none per inference forward (cached copies, refreshed when weights change),
+"""Weight casts: none per inference forward (kept copies, remade when weights change and
+otherwise rewritten by one batched copy per call, ``tests/test_stale_weights.py``),
 autograd-tracked casts in training, copies released with the module or on demand."""
 
 from __future__ import annotations
@@ -253,11 +254,14 @@ def test_clear_weight_cache() -> None:
         assert cache_of(gm).nbytes() > 0
         assert amprewrite.clear_weight_cache(gm) == 4
         assert len(cache_of(gm)) == 0
-        # the blind spot clear_weight_cache is for: a write through .data keeps _version
-        model[0].weight.data.copy_(torch.randn(16, 8))
-        amprewrite.clear_weight_cache(gm)
-        assert weight_casts(model, lambda: gm(x)) == 4
-        assert torch.equal(gm(x), autocast_out(model, x))
+        # what clear_weight_cache is for inside cache_weights: a write through .data keeps
+        # _version (outside the region every call rewrites the copies anyway)
+        with amprewrite.cache_weights(gm):
+            gm(x)
+            model[0].weight.data.copy_(torch.randn(16, 8))
+            amprewrite.clear_weight_cache(gm)
+            assert weight_casts(model, lambda: gm(x)) == 4
+            assert torch.equal(gm(x), autocast_out(model, x))
     assert amprewrite.clear_weight_cache(nn.Linear(2, 2)) == 0
     with pytest.raises(TypeError, match="clear_weight_cache"):
         amprewrite.clear_weight_cache(gm.code)  # type: ignore[arg-type]

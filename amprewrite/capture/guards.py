@@ -14,11 +14,20 @@ check of 0.5-2 µs (CPU, torch 2.13), paid by every forward of a converted modul
 the same check, called directly when Python runs the forward, and through torch.export's
 wrapper when Dynamo traces it. Where the check cannot be found (another torch version
 wraps it differently) the module keeps torch.export's own.
+
+Pickling: torch.export generates the check as source code it runs with ``exec`` and does not
+keep, so an :class:`InputGuards` pickles the check's compiled code (``marshal``) and rebuilds
+the function in the namespace torch.export runs it in. NB: marshalled code loads only on the
+Python version that wrote it; another version raises a ``TypeError`` that says so.
 """
 
 from __future__ import annotations
 
 import inspect
+import marshal
+import math
+import sys
+import types
 from typing import Any, Callable
 
 import torch
@@ -46,6 +55,25 @@ class InputGuards(nn.Module):
         if torch.compiler.is_dynamo_compiling():
             return self._traced(*args)
         return self._check(*args)
+
+
+    def __reduce__(self) -> Any:
+        return (_rebuilt_guards, (marshal.dumps(self._check.__code__), sys.version_info[:2]))
+
+
+def _rebuilt_guards(code: bytes, version: tuple[int, int]) -> InputGuards:
+    if version != sys.version_info[:2]:
+        raise TypeError(
+            f"amprewrite: this converted module was pickled on Python {version[0]}.{version[1]} "
+            f"and cannot be loaded on {sys.version_info[0]}.{sys.version_info[1]}: its input "
+            "check is torch.export's generated code, saved compiled. Load it on the Python "
+            "that saved it, or save gm.state_dict() and convert again.")
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+    # The namespace torch.export runs the check in (torch/export/_unlift.py).
+    check = types.FunctionType(marshal.loads(code),
+                               {**SYMPY_INTERP, "math": math, "inf": float("inf")}, "_")
+    return InputGuards(check, torch._dynamo.dont_skip_tracing(check))
 
 
 def is_input_guards(node: fx.Node) -> bool:

@@ -18,6 +18,18 @@ puts the plain generated code back (:mod:`.codegen`). A deep copy keeps both: to
 **Modes.** ``train()`` (and so ``eval()``) makes the module hold the graph of its new mode
 (:func:`amprewrite.capture.modes.switch_graph`), capturing it at the first switch to it; the
 call checks once more, one tuple index, for a ``training`` flag set by hand.
+
+Each call first lets the module's :class:`~amprewrite.runtime.model_watch.ModelWatch` keep its
+tensors the model's own (two integer reads when nothing changed).
+
+Pickling (``torch.save(gm)``): torch.fx pickles a GraphModule as its generated code and
+traces that code again on load, with the tracer class the module names (``_tracer_cls``).
+A module converted from a torch.export capture names torch.export's, which needs arguments
+the pickle does not hold, and any other tracer would run the forward's weight read during
+that trace, so :func:`_reduce_converted` names the symbolic capture's tracer, which traces the weight read back into reads and casts of the
+loaded module's own parameters. The loaded module is a plain GraphModule: the same outputs,
+its weight casts made on every call (and an O2 module's optimizer bound again). It holds the
+graph of the mode it was saved in only: switching it to the other mode raises.
 """
 
 from __future__ import annotations
@@ -28,11 +40,15 @@ import sys
 import traceback
 from typing import Any
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from ..capture.guards import GUARDS_ATTR, InputGuards
 from ..capture.modes import MODES_ATTR, relink_modes, switch_graph
+from ..capture.symbolic import _AmpTracer
 from ..errors import AmpRewriteError
+from ..runtime.model_watch import WATCH_ATTR
 from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
 from .inputs import input_mismatch
 from .codegen import recompile_with_bindings
@@ -58,6 +74,7 @@ def _finish_one(gm: fx.GraphModule) -> fx.GraphModule:
     cls.__call__ = _converted_call
     cls.__deepcopy__ = _finished_copy
     cls.train = _train
+    cls.__reduce__ = _reduce_converted
     return gm
 
 
@@ -84,9 +101,57 @@ def _finished_copy(self: fx.GraphModule, memo: dict[int, Any]) -> fx.GraphModule
     return _finish_one(copied)
 
 
+_UNPICKLABLE = (
+    "amprewrite: this converted module cannot be pickled (torch.save(gm) / pickle.dumps(gm)): "
+    "its forward checks its inputs with torch.export's generated function in a form this torch "
+    "version wraps in a way amprewrite cannot read back. Save it one of these ways instead: (1) the weights, converted again "
+    "on load: torch.save(gm.state_dict(), f); then model.load_state_dict(torch.load(f)) and "
+    "amprewrite.convert(model, example_inputs, ...); (2) the program: "
+    "torch.export.save(torch.export.export(gm, example_inputs), f), loaded with "
+    "torch.export.load(f).module() (needs only torch). copy.deepcopy(gm) works in-process.")
+
+
+def _reduce_converted(self: fx.GraphModule) -> Any:
+    guards = self._modules.get(GUARDS_ATTR)
+    if guards is not None and not isinstance(guards, InputGuards):
+        raise TypeError(_UNPICKLABLE)
+    rebuild, (body, import_block) = fx.GraphModule.__reduce__(self)
+    body["_tracer_cls"], body["_tracer_extras"] = _AmpTracer, {}  # NB: module docstring
+    body.pop(MODES_ATTR, None)  # the other mode's graph, or what its capture needs: not saved
+    return _rebuild_in_saved_mode, (rebuild, body, import_block, self.training)
+
+
+_SAVED_MODE_ATTR = "_amp_saved_mode"
+
+
+def _rebuild_in_saved_mode(rebuild: Any, body: dict[str, Any], import_block: str,
+                           training: bool) -> fx.GraphModule:
+    gm = rebuild(body, import_block)
+    gm.__dict__[_SAVED_MODE_ATTR] = training
+    type(gm).train = _train_in_saved_mode
+    return gm
+
+
+def _train_in_saved_mode(self: fx.GraphModule, mode: bool = True) -> fx.GraphModule:
+    saved = self.__dict__.get(_SAVED_MODE_ATTR, bool(mode))
+    if bool(mode) != saved:
+        names = {True: "train", False: "eval"}
+        raise AmpRewriteError(
+            f"this converted module was loaded from a pickle saved in {names[saved]} mode, "
+            f"which holds that mode's graph only; {names[bool(mode)]}() cannot switch it. "
+            "Convert the model again (amprewrite.convert) to run it in both modes, or save the "
+            f"module in the mode you will load it for (gm.{names[bool(mode)]}() before torch.save).")
+    return nn.Module.train(self, mode)
+
+
 def _converted_call(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
     if self._amp_by_mode[self.training] is not None:  # None: it holds this mode's graph
         switch_graph(self, self.training)
+    # NB: is_compiling first: Dynamo folds it to True and never sees the watch.
+    if not torch.compiler.is_compiling():
+        watch = self.__dict__.get(WATCH_ATTR)
+        if watch is not None:
+            watch.check()
     try:
         return nn.Module.__call__(self, *args, **kwargs)
     except Exception as exc:

@@ -10,7 +10,11 @@ and :meth:`LowPrecisionCopies.get_many` returns the stored low-precision copies.
 *stored*, not cast per forward (what O2 means: weights held in low precision), and is
 refreshed from the master after each optimizer step by :class:`amprewrite.MasterWeights`, or
 lazily when the master was changed in place (``load_state_dict``, an in-place update:
-``_version`` moves).
+``_version`` moves). Besides, outside :func:`amprewrite.cache_weights` every forward rewrites
+the copies from their masters before reading them (one ``torch._foreach_copy_`` through their
+``.data``, which moves no version counter: :mod:`.weight_cache` says why), so masters changed
+in ways no counter sees (``p.data.mul_``, a fused optimizer that no ``MasterWeights`` binds)
+are followed too; inside it, copies are reused while the checks of :mod:`.weight_cache` hold.
 
 Gradients: the copy of a master that requires grad is made *with* autograd, when it is
 first stored (``master.to(dtype)`` in grad mode), so it carries a ``ToCopyBackward`` node whose
@@ -42,7 +46,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from ..errors import AmpRewriteError
-from .weight_cache import cast_batch
+from .optimizer_steps import steps_taken
+from .weight_cache import cast_batch, rewrite_copies
 
 __all__ = ["LowPrecisionCopies", "LOW_COPIES_ATTR"]
 
@@ -53,7 +58,7 @@ class _Entry:
     """One master's copy, and the master's state (version, storage, shape, autograd role) it
     was made from."""
 
-    __slots__ = ("master", "version", "data_ptr", "shape", "requires_grad", "copy")
+    __slots__ = ("master", "version", "data_ptr", "shape", "requires_grad", "copy", "alias")
 
     def __init__(self, master: torch.Tensor, copy: torch.Tensor,
                  on_death: Callable[[weakref.ref], None]) -> None:
@@ -63,6 +68,8 @@ class _Entry:
         self.shape = master.shape
         self.requires_grad = master.requires_grad
         self.copy = copy
+        self.alias = copy.data
+        """What the rewrite of each forward writes through (module docstring)."""
 
     def fits(self, master: torch.Tensor) -> bool:
         """Whether the copy can be rewritten in place from ``master``: same storage, shape and
@@ -128,6 +135,10 @@ class LowPrecisionCopies:
         self._on_death = _plan_dropper(self)
         self.bindings = 0
         """How many :class:`amprewrite.MasterWeights` refresh these copies after steps."""
+        self.kept = 0
+        """How many :func:`amprewrite.cache_weights` regions are open over these copies."""
+        self.steps = -1
+        """The optimizer step count the copies were last brought up to date for (-1: never)."""
 
     def get(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The copy of ``master`` in ``dtype``; tracked back to ``master`` in grad mode."""
@@ -159,8 +170,13 @@ class LowPrecisionCopies:
         ``every``: ``masters`` are all the masters that the module's forward reads in
         ``dtype`` (the weight table's call), so a copy of any other master in ``dtype`` is one
         of a parameter the forward no longer reads (:meth:`_forget_unread`)."""
+        kept = self.kept
+        if kept and self.steps != steps_taken():
+            self.refresh()  # an optimizer stepped since (fused ones move no version counter)
         out: list[Any] = []
         stale = []
+        aliases: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
         for i, master in enumerate(masters):
             key = (id(master), dtype)
             entry = self._entries.get(key)
@@ -171,12 +187,17 @@ class LowPrecisionCopies:
                     and entry.data_ptr == master.data_ptr()
                     and entry.requires_grad == master.requires_grad):
                 out.append(entry.copy)
+                if not kept:
+                    aliases.append(entry.alias)
+                    sources.append(master)
             elif master.dtype == dtype:
                 out.append(master)  # already low precision: it is its own copy, never stored
             else:
                 out.append(None)
                 stale.append((i, key, entry if entry is not None and entry.master() is master
                                else None, master))
+        if aliases:
+            rewrite_copies(aliases, sources)
         if stale:
             self._update([(key, entry, master) for _, key, entry, master in stale])
             for i, key, _, _ in stale:
@@ -225,6 +246,12 @@ class LowPrecisionCopies:
     def refresh(self, masters: list[torch.Tensor] | None = None) -> None:
         """Recompute the copies of ``masters`` (all stored ones when None) from their
         current values, whatever their version counters say."""
+        # Up to date for the optimizer steps counted so far: after a refresh of all copies,
+        # or of one optimizer's masters right after its step when no other step came between
+        # (MasterWeights' post-step hook; the count moved by one in its pre-step hook).
+        steps = steps_taken()
+        if masters is None or self.steps == steps - 1:
+            self.steps = steps
         if masters is not None:
             planned = tuple(map(id, masters))
             plan = self._plans.get(planned)
@@ -265,14 +292,7 @@ class LowPrecisionCopies:
             with torch.inference_mode(False):
                 LowPrecisionCopies._rewrite(entries, copies, sources)
             return
-        # NB: the grad mode switched directly: in an optimizer step's hook, entering and leaving
-        # ``torch.no_grad()`` costs as much as the batched copy of a small model's weights.
-        grad = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-        try:
-            torch._foreach_copy_(copies, sources)
-        finally:
-            torch._C._set_grad_enabled(grad)
+        rewrite_copies(copies, sources)  # NB: the copies themselves: their versions move
         for entry, master in zip(entries, sources):
             entry.version = master._version
 

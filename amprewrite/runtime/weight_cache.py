@@ -1,36 +1,42 @@
-"""Weight casts: autograd-tracked in training, computed once in inference.
+"""Weight casts: autograd-tracked in training, made into kept copies otherwise.
 
 Every cast of a parameter or buffer in a converted graph is a call of
 ``WeightCastCache.cast`` where the weight is used (``_amp_weight_cache.cast(l_weight,
 torch.bfloat16)`` in the graph). When autograd needs the cast (grad mode on and the weight
 requires grad) it is a plain cast (``weight.bfloat16()``: ``weight.to(dtype)`` without
 parsing its overloads), so gradients flow to the fp32 master weight. Otherwise
-(``torch.no_grad``, ``torch.inference_mode``, frozen weights) the low-precision copy is made
-once and reused until the weight changes, then refreshed:
+(``torch.no_grad``, ``torch.inference_mode``, frozen weights) the forward's weight read
+(:meth:`WeightCastCache.lookup_many`, called by :mod:`.weight_table`) hands each cast a
+low-precision copy kept between calls, which the cast returns as it is (``cast`` of a weight
+already in ``dtype`` returns it; the generated code calls it as the dtype's method,
+``l_weight.bfloat16()``, :mod:`amprewrite.graph.codegen`, which does the same).
 
-* an in-place update (optimizer step, ``load_state_dict``, ``p.copy_`` under ``no_grad``)
-  bumps ``weight._version``;
-* a replaced tensor (``module.weight = nn.Parameter(...)``) is a different object;
-* new storage behind the same object (``p.data = t``, ``module.to(...)``) has another
-  ``data_ptr()``.
+Whether a kept copy may be reused as it is depends on what could have changed the weight
+since the last call:
 
-A forward in inference therefore casts no weights. The cache lookups of all the weights of a
-forward are made together, by its weight read (:meth:`WeightCastCache.lookup_many`, called by
-:mod:`.weight_table`), which hands each cast the copy it would return: ``cast`` of a weight
-already in ``dtype`` returns it. The generated code therefore calls a cast of a weight read that
-way as the dtype's method (``l_weight.bfloat16()``, :mod:`amprewrite.graph.codegen`), which
-does the same: returns the handed copy, or casts with autograd. In inference the lookup also
-keeps what it handed over; the next one, for the same unchanged weights, hands the same
-copies after three list comparisons instead of a check per weight (:class:`_Handed`: 87
-against 55 µs for the 100 weights of the launch-bound benchmark model).
+* By default every call rewrites the copies from the weights, in place, all of them by one
+  ``torch._foreach_copy_`` (no allocation, no cast per weight): whatever changed the weights
+  (a fused optimizer, ``p.data.mul_``, ``p.data.copy_``, an in-place all-gather), the forward
+  reads their current values. The copies are written through their ``.data``, so their own
+  version counters stay put: a graph that saved a copy for backward (frozen weights in grad
+  mode) sees a rewrite only when the weights' values changed behind autograd's back, exactly
+  as a graph that saved the fp32 weight itself would.
+* Inside :func:`amprewrite.cache_weights` (:mod:`.kept_copies`) a copy is reused while its
+  weight is the same tensor (``module.weight = nn.Parameter(...)`` makes another), with the
+  same storage (``p.data = t``, ``module.to(...)``) and version (an in-place update:
+  ``load_state_dict``, a foreach or single-tensor optimizer, ``p.mul_`` under ``no_grad``),
+  and no ``torch.optim`` optimizer has started a step since it was made (fused optimizers
+  move no version counter: :mod:`.optimizer_steps`). NB: ``p.data.copy_(t)`` writes through a
+  tensor whose version counter is not ``p``'s, so no check short of reading the values sees
+  it: call :func:`amprewrite.clear_weight_cache` after such writes.
 
-NB: ``p.data.copy_(t)`` writes through a tensor whose version counter is not ``p``'s, so no
-check short of reading the values can see it (torch.autocast's cache has the same blind spot).
-Call :func:`clear_weight_cache` after such writes.
+While the same weights are unchanged, the lookup hands the same copies after three list
+comparisons instead of a check per weight (:class:`_Handed`: 87 against 55 µs for the 100
+weights of the launch-bound benchmark model).
 
 The cache belongs to one GraphModule: it is released with it, a copy of the module
-(``copy.deepcopy``, pickling) starts with an empty one, and :func:`clear_weight_cache` drops
-it on demand.
+(``copy.deepcopy``, pickling) starts with an empty one, and :func:`amprewrite.clear_weight_cache`
+drops it on demand.
 """
 
 from __future__ import annotations
@@ -39,12 +45,12 @@ import weakref
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from .functions import cast_to
+from .optimizer_steps import steps_taken
 
-__all__ = ["WeightCastCache", "CACHE_ATTR", "clear_weight_cache"]
+__all__ = ["WeightCastCache", "CACHE_ATTR", "rewrite_copies"]
 
 CACHE_ATTR = "_amp_weight_cache"
 
@@ -54,6 +60,8 @@ class _Entry(NamedTuple):
     version: int
     data_ptr: int
     copy: torch.Tensor
+    alias: torch.Tensor
+    """``copy.data``: what a rewrite writes through (module docstring)."""
 
 
 def _tracing(weight: torch.Tensor) -> bool:
@@ -78,6 +86,8 @@ class _Handed(NamedTuple):
     data_ptrs: list[int]
     copies: list[torch.Tensor]
     """The list the lookup returned, returned again: callers read it, never modify it."""
+    aliases: list[torch.Tensor]
+    """Each copy's ``.data``, for the rewrite of every call outside ``cache_weights``."""
 
 
 class WeightCastCache:
@@ -88,16 +98,28 @@ class WeightCastCache:
         self._handed: dict[torch.dtype, _Handed] = {}
         """What the last inference lookup of each dtype handed over; dropped with any entry
         (a weight died: its id may go to another tensor) and by :meth:`clear`."""
+        self.kept = 0
+        """How many :func:`amprewrite.cache_weights` regions are open over this cache: while
+        any is, copies are reused across calls while the checks hold; else every call
+        rewrites them (module docstring)."""
+        self.steps = -1
+        """The optimizer step count (:func:`.optimizer_steps.steps_taken`) the copies were
+        last checked against; -1 makes the next kept lookup drop them."""
 
     def cast(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``weight`` in ``dtype``: tracked by autograd when a gradient is needed, else the
-        cached copy (made or refreshed here when missing or stale)."""
+        """``weight`` in ``dtype``: tracked by autograd when a gradient is needed; else, inside
+        ``cache_weights``, the kept copy (made or refreshed here when missing or stale), and
+        outside it a cast made now."""
         # Runs once per weight cast per forward: the common paths are a few cheap checks. A
         # weight already in ``dtype`` is the copy :meth:`lookup_many` handed the forward.
         if weight.dtype is dtype:
             return weight
-        if (weight.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        if (weight.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling() \
+                or not self.kept:
+            # NB: outside cache_weights a cast that the weight read did not hand a copy (a
+            # buffer's, or a graph without a weight read) is made per call: always current.
             return cast_to(weight, dtype)
+        self._check_steps()
         key = (id(weight), dtype)
         entry = self._entries.get(key)
         if entry is not None and entry.weight() is weight and \
@@ -123,6 +145,9 @@ class WeightCastCache:
         if not weights or torch.compiler.is_compiling() or _tracing(weights[0]):
             return weights  # a compiler or tracer sees plain casts, where the weights are used
         grad = torch.is_grad_enabled()
+        kept = self.kept
+        if kept:
+            self._check_steps()
         if not grad:
             handed = self._handed.get(dtype)
             # The same weights as last time (none died since, or the record would be gone,
@@ -132,18 +157,28 @@ class WeightCastCache:
             if handed is not None and handed.ids == list(map(id, weights)) and \
                     handed.versions == [w._version for w in weights] and \
                     handed.data_ptrs == [w.data_ptr() for w in weights]:
+                if not kept:
+                    rewrite_copies(handed.aliases, weights)
                 return handed.copies
         entries = self._entries
         out = list(weights)
+        aliases: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
         for i, w in enumerate(weights):
             if w.dtype is dtype or (grad and w.requires_grad):
                 continue
-            entry = entries.get((id(w), dtype))
+            key = (id(w), dtype)
+            entry = entries.get(key)
             if entry is not None and entry.weight() is w and entry.version == w._version \
                     and entry.data_ptr == w.data_ptr():
                 out[i] = entry.copy
+                if not kept:
+                    aliases.append(entry.alias)
+                    sources.append(w)
             else:
-                out[i] = self.cast(w, dtype)
+                out[i] = self._refresh(w, dtype, key)
+        if aliases:
+            rewrite_copies(aliases, sources)
         if not grad:
             self._remember(weights, dtype, out)
         return out
@@ -157,7 +192,8 @@ class WeightCastCache:
         if all(e is not None and e.copy is c for e, c in
                zip((entries.get((id(w), dtype)) for w in weights), copies)):
             self._handed[dtype] = _Handed(list(map(id, weights)), [w._version for w in weights],
-                                          [w.data_ptr() for w in weights], copies)
+                                          [w.data_ptr() for w in weights], copies,
+                                          [c.data for c in copies])
         else:
             self._handed.pop(dtype, None)
 
@@ -174,8 +210,16 @@ class WeightCastCache:
         # The callback drops the copy as soon as its weight dies (a replaced parameter), so
         # stale copies do not pile up; it holds the cache weakly to avoid a reference cycle.
         self._entries[key] = _Entry(weakref.ref(weight, _dropper(self, key)), weight._version,
-                                    weight.data_ptr(), copy)
+                                    weight.data_ptr(), copy, copy.data)
         return copy
+
+    def _check_steps(self) -> None:
+        """Inside ``cache_weights``: drop every copy if an optimizer started a step since the
+        last check (a fused one moves no version counter, :mod:`.optimizer_steps`)."""
+        steps = steps_taken()
+        if self.steps != steps:
+            self.clear()
+            self.steps = steps
 
     def clear(self) -> int:
         """Drop every cached copy; returns how many there were."""
@@ -200,6 +244,22 @@ class WeightCastCache:
 
     def __repr__(self) -> str:
         return f"WeightCastCache({len(self)} copies, {self.nbytes()} bytes)"
+
+
+def rewrite_copies(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copy each source into its target, all in one ``torch._foreach_copy_``. Targets that
+    are copies' ``.data`` aliases give the copies the sources' current values without moving
+    their version counters (module docstring).
+
+    NB: the grad mode is switched directly (as in :mod:`.low_copies`): entering and leaving
+    ``torch.no_grad()`` costs as much as the batched copy of a small model's weights. It must
+    be off, or a copy from a weight that requires grad would record an autograd node."""
+    grad = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
+        torch._foreach_copy_(targets, sources)
+    finally:
+        torch._C._set_grad_enabled(grad)
 
 
 BATCHED_DEVICE_TYPES = frozenset({"cuda"})
@@ -262,22 +322,3 @@ def _dropper(cache: WeightCastCache, key: tuple[int, torch.dtype]) -> Any:
             del owner._entries[key]
 
     return drop
-
-
-def clear_weight_cache(module: nn.Module) -> int:
-    """Drop the low-precision weight copies a converted module keeps for inference.
-
-    The next inference forward makes them again from the current weights. Use it to free
-    their memory, or after writing weights in a way the cache cannot notice
-    (``p.data.copy_(t)``). Returns the number of copies dropped (0 for a module that holds
-    none).
-    """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"amprewrite.clear_weight_cache expects the nn.Module returned by "
-                        f"amprewrite.convert, got {type(module).__name__}")
-    dropped = 0
-    for sub in module.modules():
-        cache = sub.__dict__.get(CACHE_ATTR)
-        if isinstance(cache, WeightCastCache):
-            dropped += cache.clear()
-    return dropped

@@ -42,8 +42,10 @@ class MasterWeights:
     model's): the optimizer holds them, updates them in fp32, and its state and
     ``gm.state_dict()`` are fp32 as well. The graph computes with low-precision copies. After
     each optimizer step (a step that ``GradScaler`` skips changes nothing) the copies of that
-    optimizer's masters are recomputed; in-place changes made elsewhere (``load_state_dict``)
-    are noticed at the next forward; after writes through ``.data`` call :meth:`refresh`.
+    optimizer's masters are recomputed. Changes made elsewhere (``load_state_dict``, writes
+    through ``.data``) are followed too: each forward rewrites the copies from the masters,
+    except inside :func:`amprewrite.cache_weights`, where a write through ``.data`` needs
+    :meth:`refresh` (or ``amprewrite.clear_weight_cache(gm)``).
 
     Works with any ``torch.optim`` optimizer (fused ones included), with several optimizers
     (pass a list), with ``GradScaler`` (``unscale_`` and clipping see fp32 master gradients)

@@ -1,0 +1,356 @@
+"""A converted module keeps up with its model: every way real code changes weights after
+conversion is either followed (the output equals torch.autocast's on the model as it is now,
+bitwise under the CPU preset) or reported once, by default and inside
+``amprewrite.cache_weights`` (which follows all but writes that move no version counter).
+Hooks registered on the model after conversion warn once; converted modules pickle."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+import amprewrite
+from amprewrite import Policy
+from amprewrite.capture.guards import InputGuards, _rebuilt_guards
+from amprewrite.runtime.model_watch import _changes
+
+bf16 = torch.bfloat16
+PRESET = Policy.autocast("cpu", bf16)
+X = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+
+
+def convert(model: nn.Module, **kwargs: Any) -> torch.fx.GraphModule:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # this CPU may lack a fast bf16 path
+        if "opt_level" in kwargs:
+            return amprewrite.convert(model, (X,), dtype=bf16, **kwargs)
+        return amprewrite.convert(model, (X,), policy=PRESET, **kwargs)
+
+
+def autocast_out(model: nn.Module) -> torch.Tensor:
+    with torch.no_grad(), torch.autocast("cpu", bf16):
+        return model(X)
+
+
+def infer(gm: nn.Module, kept: bool) -> torch.Tensor:
+    """A ``no_grad`` forward: by default, or inside ``cache_weights`` after one forward there
+    (so that a copy made before the change is what a stale module would return)."""
+    with torch.no_grad():
+        if not kept:
+            return gm(X)
+        with amprewrite.cache_weights(gm):
+            gm(X)
+            return gm(X)
+
+
+def changed(model: nn.Module, gm: nn.Module, kept: bool, change: Callable[[], Any]) -> None:
+    """``change`` moves the model's output, and the converted module follows it."""
+    with amprewrite.cache_weights(gm) if kept else _nothing():
+        before = infer(gm, False)
+        assert torch.equal(before, autocast_out(model))
+        change()
+        after = infer(gm, False)
+    assert not torch.equal(before, after)
+    assert torch.equal(after, autocast_out(model))
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def train_step(gm: nn.Module, opt: torch.optim.Optimizer) -> None:
+    gm(X).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+OPTIMIZERS = [(cls, kind) for cls in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+              for kind in ("default", "foreach", "fused")]
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["default", "cache_weights"])
+@pytest.mark.parametrize("cls,kind", OPTIMIZERS,
+                         ids=[f"{c.__name__}-{k}" for c, k in OPTIMIZERS])
+def test_optimizer_steps_are_followed(cls: type, kind: str, kept: bool) -> None:
+    """Fused optimizers move no version counter; a step is followed all the same."""
+    model = mlp()
+    gm = convert(model)
+    opt = cls(model.parameters(), lr=0.1, **({} if kind == "default" else {kind: True}))
+    changed(model, gm, kept, lambda: train_step(gm, opt))
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["default", "cache_weights"])
+def test_ema_updated_in_place_is_followed(kept: bool) -> None:
+    model, source = mlp(), mlp(1)
+    gm = convert(model)
+
+    def ema() -> None:
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), source.parameters()):
+                p.mul_(0.5).add_(q, alpha=0.5)
+
+    changed(model, gm, kept, ema)
+
+
+def test_writes_through_data_are_followed_by_default() -> None:
+    """EMA and weight loading written with ``.data``: no version counter moves."""
+    model, source = mlp(), mlp(1)
+    gm = convert(model)
+
+    def ema() -> None:
+        for p, q in zip(model.parameters(), source.parameters()):
+            p.data.mul_(0.5).add_(q.data, alpha=0.5)
+
+    changed(model, gm, False, ema)
+    changed(model, gm, False, lambda: model[0].weight.data.copy_(torch.randn(8, 8)))
+
+
+def test_writes_through_data_inside_cache_weights_need_clear_weight_cache() -> None:
+    """The documented contract of the fast path: such a write is not seen until
+    ``clear_weight_cache``; leaving the region is enough as well."""
+    model = mlp()
+    gm = convert(model)
+    with torch.no_grad(), amprewrite.cache_weights(gm):
+        before = gm(X)
+        model[0].weight.data.mul_(2)
+        assert torch.equal(gm(X), before)  # the promise was broken: the old copies
+        amprewrite.clear_weight_cache(gm)
+        assert torch.equal(gm(X), autocast_out(model))
+        model[0].weight.data.mul_(2)
+    assert torch.equal(infer(gm, False), autocast_out(model))
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["default", "cache_weights"])
+def test_averaged_model_is_followed(kept: bool) -> None:
+    model = mlp()
+    average = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    gm = convert(average.module)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+
+    def update() -> None:
+        train_step(model, opt)
+        average.update_parameters(model)
+
+    changed(average.module, gm, kept, update)
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["default", "cache_weights"])
+@pytest.mark.parametrize("assign", [False, True])
+def test_load_state_dict_on_the_model_is_followed(kept: bool, assign: bool) -> None:
+    model = mlp()
+    gm = convert(model)
+    changed(model, gm, kept, lambda: model.load_state_dict(mlp(1).state_dict(), assign=assign))
+    if assign:
+        assert gm.get_submodule("0").weight is model[0].weight
+
+
+def test_load_state_dict_assign_on_the_converted_module_warns_once() -> None:
+    model = mlp()
+    gm = convert(model)
+    gm.load_state_dict(mlp(1).state_dict(), assign=True)
+    with pytest.warns(UserWarning, match=r"4 tensors were replaced on the converted module "
+                                         r"after conversion \('0.weight', '0.bias', "):
+        out = infer(gm, False)
+    fresh = convert(mlp(1))
+    assert torch.equal(out, infer(fresh, False))  # gm computes with what it was given
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        infer(gm, False)
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["default", "cache_weights"])
+def test_module_to_after_conversion_is_followed(kept: bool) -> None:
+    """``model.to(...)`` gives the same parameters new storage (``p.data = ...``)."""
+    model = mlp()
+    gm = convert(model)
+    changed(model, gm, kept, lambda: model.half().float())  # values rounded to fp16
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["default", "cache_weights"])
+def test_parameter_replaced_on_the_model_is_followed(kept: bool) -> None:
+    model = mlp()
+    gm = convert(model)
+    changed(model, gm, kept, lambda: setattr(model[2], "weight", nn.Parameter(torch.randn(4, 8))))
+    assert gm.get_submodule("2").weight is model[2].weight
+    # an optimizer built over the model's parameters now trains what gm reads
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    changed(model, gm, kept, lambda: train_step(gm, opt))
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic"])
+def test_o2_masters_changed_outside_the_optimizer_are_followed(capture: str) -> None:
+    model = mlp()
+    gm = amprewrite.convert(model, (X,) if capture == "export" else None, dtype=bf16,
+                            opt_level="O2")
+    opt = torch.optim.AdamW(gm.parameters(), lr=0.1, fused=True)
+    amprewrite.MasterWeights(gm, opt)
+    train_step(gm, opt)
+    for p in model.parameters():
+        p.data.mul_(0.5)
+    fresh = amprewrite.convert(model, (X,) if capture == "export" else None, dtype=bf16,
+                               opt_level="O2")
+    assert torch.equal(infer(gm, False), infer(fresh, False))
+    with torch.no_grad():
+        reference = fresh(X)
+    assert torch.equal(gm(X).detach(), reference)  # grad mode: the stored copies rewritten
+    with torch.no_grad(), amprewrite.cache_weights(gm):
+        before = gm(X)
+        model[0].weight.data.mul_(0.5)
+        assert torch.equal(gm(X), before)  # not followed inside the region (its contract)
+        amprewrite.clear_weight_cache(gm)  # O2: recomputes the stored copies
+        assert not torch.equal(gm(X), before)
+
+
+def test_o2_fused_step_inside_cache_weights_is_followed_unbound() -> None:
+    """An optimizer that no MasterWeights binds, fused: the step count still moves."""
+    model = mlp()
+    gm = convert(model, opt_level="O2")
+    fresh_before = infer(gm, True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, fused=True)
+    with amprewrite.cache_weights(gm):
+        train_step(model, opt)
+        assert not torch.equal(infer(gm, True), fresh_before)
+        assert torch.equal(infer(gm, True), infer(convert(model, opt_level="O2"), False))
+
+
+def test_two_forwards_before_backward_still_backpropagate() -> None:
+    """The per-call rewrite goes through ``.data``: a graph that saved a copy (frozen
+    weights, grad mode) still backpropagates after a later forward."""
+    model = mlp().requires_grad_(False)
+    gm = convert(model)
+    x = X.clone().requires_grad_()
+    first = gm(x)
+    gm(x)
+    first.float().sum().backward()
+    assert x.grad is not None
+
+
+def test_cache_weights_skips_the_rewrite() -> None:
+    model = mlp()
+    gm = convert(model)
+    seen: list[Any] = []
+
+    class Copies(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad():
+        gm(X)
+        with Copies():
+            gm(X)
+        assert seen.count(torch.ops.aten._foreach_copy_.default) == 1  # one batched rewrite
+        seen.clear()
+        with amprewrite.cache_weights(gm), amprewrite.cache_weights(gm):  # regions nest
+            gm(X)
+            with Copies():
+                gm(X)
+    assert torch.ops.aten._foreach_copy_.default not in seen
+    assert seen.count(torch.ops.aten._to_copy.default) == 1  # the input's cast: no weight's
+    with pytest.raises(TypeError, match="cache_weights"):
+        with amprewrite.cache_weights(gm.code):  # type: ignore[arg-type]
+            pass
+
+
+@pytest.mark.parametrize("register", ["register_forward_hook", "register_forward_pre_hook"])
+def test_hooks_registered_on_the_model_after_conversion_warn_once(register: str) -> None:
+    model = mlp()
+    gm = convert(model)
+    calls: list[int] = []
+    getattr(model[0], register)(lambda *a: calls.append(1))
+    with pytest.warns(UserWarning, match=r"registered on submodule '0' \(Linear\) after "
+                                         r"conversion; the converted module does not run it"):
+        gm(X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gm(X)
+    assert not calls
+
+
+def test_hooks_registered_before_conversion_do_not_warn() -> None:
+    model = mlp()
+    model[0].register_forward_hook(lambda *a: None)
+    gm = convert(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gm(X)
+
+
+def test_the_change_stamp_moves_on_registrations() -> None:
+    """The private counter the watch reads (``RemovableHandle.next_id``) still moves on this
+    torch release, as do the registration hooks it installs."""
+    model = mlp()
+    convert(model)
+    stamp = _changes()
+    handle = model[0].register_forward_hook(lambda *a: None)
+    assert _changes() != stamp
+    stamp = _changes()
+    model[0].bias = nn.Parameter(torch.zeros(8))
+    assert _changes() != stamp
+    handle.remove()
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_converted_modules_pickle(level: str, capture: str) -> None:
+    model = mlp()
+    inputs = (X,) if capture == "export" else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = amprewrite.convert(model, inputs, dtype=bf16, opt_level=level)
+    buffer = io.BytesIO()
+    torch.save(gm, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(loaded(X), gm(X))
+        assert torch.equal(pickle.loads(pickle.dumps(gm))(X), gm(X))
+        # the loaded module reads its own parameters, not constants of the old values
+        next(loaded.parameters()).mul_(0)
+        assert not torch.equal(loaded(X), gm(X))
+
+
+def test_input_check_from_another_python_says_so() -> None:
+    model = mlp()
+    gm = convert(model)
+    guards = gm.get_submodule("_guards_fn")
+    assert isinstance(guards, InputGuards)
+    code = guards.__reduce__()[1][0]
+    with pytest.raises(TypeError, match="pickled on Python 2.7"):
+        _rebuilt_guards(code, (2, 7))
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["default", "cache_weights"])
+def test_serving_under_inference_mode_follows_updates(kept: bool) -> None:
+    """The serving pattern: ``inference_mode`` forwards between weight updates (O1 and O2)."""
+    for level in ("O1", "O2"):
+        model, source = mlp(), mlp(1)
+        gm = convert(model) if level == "O1" else convert(model, opt_level="O2")
+        with amprewrite.cache_weights(gm) if kept else _nothing():
+            with torch.inference_mode():
+                before = gm(X)
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), source.parameters()):
+                    p.copy_(q)  # moves the version counters: followed either way
+            with torch.inference_mode():
+                after = gm(X)
+        fresh = convert(source) if level == "O1" else convert(source, opt_level="O2")
+        assert not torch.equal(before, after)
+        assert torch.equal(after, infer(fresh, False)), level

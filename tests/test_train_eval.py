@@ -400,3 +400,21 @@ def test_a_call_that_does_not_fit_the_capture_says_so_in_either_mode() -> None:
         gm.train(training)
         with pytest.raises(AmpRewriteError, match="captured for float32 of shape"):
             gm(X[:, :4])
+
+
+@pytest.mark.parametrize("capture", ("export", "symbolic"))
+def test_a_pickled_module_runs_the_mode_it_was_saved_in_and_refuses_to_switch(
+        capture: str) -> None:
+    model = _model(training=False)
+    gm = _convert(model, capture)
+    gm.train()  # both modes captured
+    gm.eval()
+    buffer = io.BytesIO()
+    torch.save(gm, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert torch.equal(loaded(X), gm(X))  # eval: deterministic, running statistics
+    loaded.eval()  # already in the saved mode: fine
+    with pytest.raises(AmpRewriteError, match=r"saved in eval mode.*train\(\) cannot switch"):
+        loaded.train()
+    assert not loaded.training

@@ -29,7 +29,7 @@ from .capture.persistence import match_persistence
 from .capture.state import preserved_global_state
 from .capture.symbolic import capture_symbolic, propagate_meta
 from .errors import AmpRewriteError
-from .graph.calling import finish
+from .capture.calling import finish
 from .graph.inputs import record_inputs
 from .graph.meta import META_KEY
 from .graph.queries import module_paths

@@ -317,6 +317,8 @@ def test_o2_store_lets_a_replaced_trained_master_go() -> None:
     is freed with the user's last reference to it."""
     bf16 = torch.bfloat16
     gm = amprewrite.convert(Net(), (X,), opt_level="O2", dtype=bf16)
+    gm.eval()  # NB: until the other mode is captured, gm holds the model to capture it from
+    gm.train()
     store = getattr(gm, LOW_COPIES_ATTR)
 
     def train_step() -> None:

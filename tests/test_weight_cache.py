@@ -225,6 +225,8 @@ def test_cache_refreshed_after_load_state_dict() -> None:
 def test_cache_refreshed_after_parameter_replaced_or_data_swapped() -> None:
     model = nn.Sequential(nn.Linear(8, 4))
     gm = amprewrite.convert(model, capture="symbolic", policy=Policy.autocast("cpu", bf16))
+    gm.train()  # NB: until the other mode is captured, gm holds the model to capture it from
+    gm.eval()
     x = torch.randn(3, 8)
     layer = gm.get_submodule("0")  # holds the weights the graph reads
 

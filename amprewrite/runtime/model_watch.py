@@ -87,7 +87,7 @@ class ModelWatch:
         self._stamp = _changes()
 
     def check(self) -> None:
-        """Run at the start of each call of the converted module (:mod:`..graph.calling`)."""
+        """Run at the start of each call of the converted module (:mod:`amprewrite.capture.calling`)."""
         stamp = _changes()
         if stamp == self._stamp:
             return

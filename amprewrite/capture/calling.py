@@ -44,14 +44,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..capture.guards import GUARDS_ATTR, InputGuards
-from ..capture.modes import MODES_ATTR, relink_modes, switch_graph
-from ..capture.symbolic import _AmpTracer
 from ..errors import AmpRewriteError
+from ..graph.codegen import recompile_with_bindings
+from ..graph.inputs import input_mismatch
 from ..runtime.model_watch import WATCH_ATTR
 from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
-from .inputs import input_mismatch
-from .codegen import recompile_with_bindings
+from .guards import GUARDS_ATTR, InputGuards
+from .modes import MODES_ATTR, relink_modes, switch_graph
+from .symbolic import _AmpTracer
 
 __all__ = ["finish", "failure_context"]
 

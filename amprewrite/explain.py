@@ -28,6 +28,8 @@ from .capture.modes import NOT_CAPTURED_KEY, mode_graphs, mode_name, pending_mod
 from .compile_backend import AmpBackend
 from .graph.meta import META_KEY, cast_info, decision
 from .hardware import describe, model_device, slow_reason
+from .passes.opt_levels import OPT_LEVEL_KEY
+from .policy.policy import Policy
 from .policy.tables import OpCategory
 
 __all__ = ["explain", "explain_records"]
@@ -63,11 +65,22 @@ def _graphs(target: Any) -> list[tuple[str, fx.GraphModule]]:
             f"amprewrite.backend() or a model from amprewrite.compile; got "
             f"{type(target).__name__}. Convert the model first: "
             "explain(amprewrite.convert(model, example_inputs)).")
-    if "amprewrite_policy" not in target.meta:
+    if _policy_of(target) is None:
         raise ValueError(
             f"amprewrite.explain: GraphModule {type(target).__name__} was not converted by "
             "amprewrite (no decisions recorded); pass the result of amprewrite.convert(...).")
     return [("", target)]
+
+
+def _policy_of(gm: fx.GraphModule) -> tuple[Policy, torch.dtype] | None:
+    """The policy and low dtype ``gm`` was converted with: O1's, or the rules of opt level
+    O2/O3 (None for O0, which decides nothing, and for modules amprewrite did not convert)."""
+    if "amprewrite_policy" in gm.meta:
+        return gm.meta["amprewrite_policy"]
+    level = gm.meta.get(OPT_LEVEL_KEY)
+    if level is None or level.dtype is None:
+        return None
+    return Policy(preset=level.level, dtype=level.dtype), level.dtype
 
 
 def _row(node: fx.Node) -> dict[str, Any] | None:
@@ -122,7 +135,7 @@ def explain_records(target: Any) -> list[dict[str, Any]]:
     ``"not_captured_yet"``; the rows are then the captured mode's, without ``"mode"``."""
     out = []
     for title, gm in _graphs(target):
-        policy, low = gm.meta["amprewrite_policy"]
+        policy, low = _policy_of(gm)  # type: ignore[misc]  # _graphs checked it
         rows = [r for r in map(_row, gm.graph.nodes) if r is not None]
         device = _graph_device(gm)
         record = {"graph": title, "policy": policy.summary(),

@@ -249,3 +249,25 @@ def test_cuda_preset_bitwise_on_gpu(entry: Any, dtype: str, path: str) -> None:
     for g, w in zip(got, want):
         assert torch.equal(g, w), f"{name}: not bitwise equal to autocast (max |diff| " \
                                   f"{(g.double() - w.double()).abs().max().item()})"
+
+
+def test_cuda_autocast_stops_at_the_first_listed_op_of_a_composite() -> None:
+    """What the CUDA parity gaps of ``test_parity_zoo.KNOWN_GAPS`` rest on, dtype-level on fake
+    CUDA tensors: ``inner`` meets ``tensordot`` (promote) and stays fp32 though it ends in an
+    mm; ``cross_entropy`` runs ``log_softmax`` in the low dtype, then ``nll_loss`` in fp32."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def under_autocast(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor) -> Any:
+        with cuda_autocast(torch.bfloat16):
+            return torch.inner(x, w), torch.nn.functional.cross_entropy(x.bfloat16(), target)
+
+    with FakeTensorMode() as mode:
+        x, w = fake_cuda(mode, torch.empty(4, 8)), fake_cuda(mode, torch.empty(8, 8))
+        target = fake_cuda(mode, torch.zeros(4, dtype=torch.long))
+        inner, loss = under_autocast(x, w, target)
+        gm = make_fx(under_autocast, tracing_mode="fake")(x, w, target)
+    assert inner.dtype == loss.dtype == torch.float32
+    log_softmax = gm.graph.find_nodes(op="call_function",
+                                      target=torch.ops.aten._log_softmax.default)[0]
+    assert log_softmax.meta["val"].dtype == torch.bfloat16
+    assert [u.target for u in log_softmax.users] == [torch.ops.aten._to_copy.default]

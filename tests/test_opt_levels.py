@@ -24,7 +24,7 @@ class Net(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.fc1 = nn.Linear(8, 16)
-        self.norm = nn.LayerNorm(16) if norm == "layer" else nn.BatchNorm1d(16)
+        self.norm = {"layer": nn.LayerNorm, "batch": nn.BatchNorm1d, "rms": nn.RMSNorm}[norm](16)
         self.fc2 = nn.Linear(16, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +102,8 @@ def test_o2_graph() -> None:
     vals = {n.name: n.meta["val"].dtype for n in gm.graph.nodes
             if isinstance(n.meta.get("val"), torch.Tensor)}
     assert vals["x_f16"] == vals["linear"] == vals["gelu"] == torch.float16
-    assert vals["layer_norm"] == torch.float32  # the norm computes in fp32
+    # a CPU's layer norm takes the fp16 activation with its fp32 master weight, no cast
+    assert vals["layer_norm"] == torch.float16 and "linear_f32" not in vals
     assert vals["linear_1"] == torch.float16
     # the masters are the model's own fp32 parameters; nothing of the model changed
     assert [id(p) for p in gm.parameters()] == [id(p) for p in model.parameters()]
@@ -110,6 +111,15 @@ def test_o2_graph() -> None:
     with torch.no_grad():
         out = gm(X)
     assert out.dtype == torch.float32 and out.shape == (4, 4)
+
+
+def test_o2_norm_without_mixed_kernel_computes_in_fp32() -> None:
+    gm = amprewrite.convert(Net(norm="rms"), (X,), opt_level="O2", dtype=torch.float16)
+    assert "('norm.weight',)" in gm.code  # the fp32 master
+    vals = {n.name: n.meta["val"].dtype for n in gm.graph.nodes
+            if isinstance(n.meta.get("val"), torch.Tensor)}
+    assert vals["gelu_f32"] == vals["rms_norm"] == torch.float32  # cast up, fp32 norm
+    assert vals["rms_norm_f16"] == vals["linear_1"] == torch.float16  # cast back down
 
 
 def test_o2_symbolic_matches_export_bitwise() -> None:
@@ -122,7 +132,7 @@ def test_o2_symbolic_matches_export_bitwise() -> None:
 
 
 @pytest.mark.parametrize("inputs", [(X,), None], ids=["export", "symbolic"])
-def test_o2_batchnorm_stays_fp32(inputs: tuple | None) -> None:
+def test_o2_batchnorm_keeps_fp32_params_and_stats(inputs: tuple | None) -> None:
     model = Net(norm="batch")
     before = _state(model)
     gm = amprewrite.convert(model, inputs, opt_level="O2", dtype=torch.float16)

@@ -64,6 +64,27 @@ def _device_type(node: fx.Node) -> str | None:
     return val.device.type if isinstance(val, torch.Tensor) else None
 
 
+def _weights_device_type(node: fx.Node) -> str | None:
+    """The device ``node`` computes on, from its value or else from the module attributes it
+    reads (a norm's weight or running statistics, known without example inputs)."""
+    device = _device_type(node)
+    gm = node.graph.owning_module
+    if device is not None or gm is None:
+        return device
+    if node.op == "call_module":  # a leaf layer (the symbolic tracer keeps batch norm whole)
+        tensors = list(gm.get_submodule(str(node.target)).state_dict().values())
+    else:
+        tensors = [_attr(gm, str(a.target)) for a in node.all_input_nodes if a.op == "get_attr"]
+    return next((t.device.type for t in tensors if isinstance(t, torch.Tensor)), None)
+
+
+def _attr(gm: fx.GraphModule, qualname: str) -> object:
+    value: object = gm
+    for part in qualname.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
 class ClassifyPass(PassBase):
     """Attach a Decision to every call node, per ``policy`` with low dtype ``dtype``."""
 
@@ -144,6 +165,10 @@ class ClassifyPass(PassBase):
             return OpCategory.PASSTHROUGH, "in-place op (never cast)"
         by_table = policy.table_rule(key, overload_key(node)) or policy.composite_rule(key)
         category, rule = by_table if by_table is not None else policy.unlisted_rule(key)
+        if category is OpCategory.FP32:
+            mixed = policy.mixed_input_rule(key, _weights_device_type(node))
+            if mixed is not None:
+                return mixed
         if category in (OpCategory.LOWER, OpCategory.PASSTHROUGH):
             device = _device_type(node)
             if device is not None and not has_low_kernel(key, device, self.dtype):

@@ -12,8 +12,12 @@ Apex's four levels, as graph rewrites of a captured model:
   (:mod:`amprewrite.runtime.low_copies`); then the same passes as O1 run with the O2 rules
   (``_tables.O2_TABLE``): ops run in whatever dtype arrives, except the ops that need one dtype
   for all their floating inputs (matmuls, convolutions, attention), whose inputs are cast to
-  the low dtype, and normalisation ops (batch/instance/layer/group/RMS norm), which compute in
-  fp32 on the fp32 masters of their own weights, their output cast back down. So the graph is
+  the low dtype, and normalisation ops (batch/instance/layer/group/RMS norm), which read the
+  fp32 masters of their own weights: where the device's kernel takes fp16/bf16 input with fp32
+  parameters and statistics (``kernels.MIXED_INPUT_NORMS``: batch norm on CPU and CUDA, layer,
+  group and instance norm on CPU), the norm runs on the low-precision activation as it arrives
+  and returns the low dtype, no cast around it (Apex's ``keep_batchnorm_fp32``); elsewhere it
+  computes in fp32, its input cast up and its output cast back down. So the graph is
   type-correct by construction: an fp32 activation the model makes on purpose
   (``x.float()``, ``pixel_values.to(weight.dtype)`` traced in fp32) meets a low-precision
   weight only in an op that casts it. Buffers (rotary frequencies, masks, running statistics)
@@ -25,7 +29,8 @@ Apex's four levels, as graph rewrites of a captured model:
   in the low dtype; the user's model keeps its fp32 tensors); inputs cast down and outputs up
   as in O2, normalisation in the low dtype too (``_tables.O3_TABLE``). The speed baseline.
 
-After (O2, fp16; ``Linear → LayerNorm → Linear``, symbolic capture with example inputs)::
+After (O2, fp16; ``Linear → LayerNorm → Linear``, symbolic capture with example inputs, on a
+device whose layer norm kernel wants one dtype: CUDA)::
 
     x_f16 = x.to(torch.float16)
     fc1_weight_f16 = _amp_low_copies.get(fc1_weight, torch.float16)
@@ -40,8 +45,10 @@ After (O2, fp16; ``Linear → LayerNorm → Linear``, symbolic capture with exam
     linear_1_f32 = linear_1.to(torch.float32)
     return linear_1_f32
 
-O3 has the same activation casts, no norm casts, and plain ``get_attr`` weights (its own
-fp16 parameters).
+On a CPU, whose layer norm takes fp16 input with fp32 weights, ``linear_f32`` and
+``layer_norm_f16`` are not there: ``layer_norm(linear, (8,), weight = ln_weight, ...)`` reads
+the fp16 activation and returns fp16. O3 has the same activation casts, no norm casts, and
+plain ``get_attr`` weights (its own fp16 parameters).
 """
 
 from __future__ import annotations
@@ -60,7 +67,8 @@ from ..capture.facts import GRAD_KEY
 from ..capture.guards import is_input_guards
 from ..graph.meta import META_KEY, CastInfo
 from ..policy.policy import Policy
-from ..policy.tables import OpCategory
+from ..policy.opkey import op_key
+from ..policy.tables import NORM_OPS, OpCategory
 from ..runtime.functions import guarded_cast
 from ..runtime.low_copies import LOW_COPIES_ATTR, LowPrecisionCopies
 from .classify import ClassifyPass
@@ -77,6 +85,7 @@ OPT_LEVELS = ("O0", "O1", "O2", "O3")
 OPT_LEVEL_KEY = "amprewrite_opt_level"
 """``gm.meta[OPT_LEVEL_KEY]``: the :class:`OptLevel` a GraphModule was converted with."""
 
+_CALLS = ("call_function", "call_method", "call_module")
 _SHORT = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
@@ -177,9 +186,14 @@ class _LowPrecisionRewrite:
 
     def _in_fp32(self, node: fx.Node) -> bool:
         """Whether the O2 rules run ``node`` in fp32 (a normalisation op)."""
-        if node.op not in ("call_function", "call_method", "call_module"):
+        if node.op not in _CALLS:
             return False
         return ClassifyPass(self.policy, self.dtype).classify(node).category is OpCategory.FP32
+
+    def _reads_master(self, node: fx.Node) -> bool:
+        """Whether ``node`` reads the fp32 masters of its parameters under O2: a normalisation
+        op, computing in fp32 or on the low-precision input (``MIXED_INPUT_NORMS``)."""
+        return self._in_fp32(node) or (node.op in _CALLS and op_key(node) in NORM_OPS)
 
     def _read_low_copies(self) -> None:
         """O2: every floating parameter is read through the low-copy store, except by the
@@ -191,7 +205,7 @@ class _LowPrecisionRewrite:
             value = self._attr(str(node.target))
             if not isinstance(value, nn.Parameter) or not self._castable(value):
                 continue
-            users = [u for u in node.users if not self._in_fp32(u)]
+            users = [u for u in node.users if not self._reads_master(u)]
             if not users:
                 continue
             if store is None:

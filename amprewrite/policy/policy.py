@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
+from .kernels import takes_mixed_input
 from .opkey import callable_key
 from .registry import registered
 from .tables import (
@@ -252,16 +253,17 @@ class Policy:
     def table(self) -> Mapping[str, OpCategory]:
         return _PRESET_TABLES[self.preset]
 
-    def describe(self) -> str:
-        name = {"default": "default (CUDA AMP rules)", "O2": "opt_level O2",
+    def _name(self) -> str:
+        return {"default": "default (CUDA AMP rules)", "O2": "opt_level O2",
                 "O3": "opt_level O3"}.get(self.preset, f"autocast({self.preset!r})")
-        return f"{name}, {self.dtype}"
+
+    def describe(self) -> str:
+        return f"{self._name()}, {self.dtype}"
 
     def summary(self) -> str:
         """The preset and how many overrides refine it: ``"default (CUDA AMP rules) + 2
         overrides"``."""
-        name = "default (CUDA AMP rules)" if self.preset == "default" else \
-            f"autocast({self.preset!r})"
+        name = self._name()
         n = len(self.op_overrides) + len(self.module_overrides) + len(self.node_overrides)
         return name + (f" + {n} override{'s' if n != 1 else ''}" if n else "")
 
@@ -294,6 +296,17 @@ class Policy:
         if self.preset in ("O2", "O3") and "::" in key:
             return OpCategory.PROMOTE, f"{self.preset}: custom op, one dtype for its inputs"
         return OpCategory.PASSTHROUGH, "not listed"
+
+    def mixed_input_rule(self, key: str, device_type: str | None
+                         ) -> tuple[OpCategory, str] | None:
+        """O2's rule for a normalisation op whose kernel on ``device_type`` takes fp16/bf16
+        input with fp32 parameters (``kernels.MIXED_INPUT_NORMS``): it runs on the activation
+        as it arrives, with its fp32 master parameters and running statistics, no cast around
+        it (Apex's ``keep_batchnorm_fp32``); None where O2 computes it in fp32 instead."""
+        if self.preset != "O2" or not takes_mixed_input(key, device_type):
+            return None
+        return OpCategory.PASSTHROUGH, (f"O2: {key} on {device_type} takes low-precision "
+                                        "input with fp32 parameters")
 
     def op_override(self, key: str) -> OpCategory | None:
         return dict(self.op_overrides).get(key)

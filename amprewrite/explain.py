@@ -31,7 +31,7 @@ from .graph.queries import module_paths
 from .policy.tables import OpCategory
 from .summary import graph_facts, short_dtype, summary_lines
 
-__all__ = ["explain", "explain_records", "short_dtype"]
+__all__ = ["explain", "explain_records", "decision_tables", "converted_graphs", "short_dtype"]
 
 _COLUMNS = ("node", "op", "category", "dtype", "out", "rule", "casts")
 
@@ -43,7 +43,7 @@ SHAPE_OPS = frozenset({
 """Ops that move or reshape values without computing on them: plumbing, folded by default."""
 
 
-def _graphs(target: Any) -> list[tuple[str, fx.GraphModule]]:
+def converted_graphs(target: Any) -> list[tuple[str, fx.GraphModule]]:
     """The converted graphs behind ``target``: a GraphModule from ``convert``, an
     ``amprewrite.backend()`` object, or a model returned by ``amprewrite.compile``."""
 
@@ -138,7 +138,7 @@ def explain_records(target: Any) -> list[dict[str, Any]]:
     on floating tensors that is not a view or reshape); ``"facts"`` is
     :func:`amprewrite.summary.graph_facts`."""
     out = []
-    for title, gm in _graphs(target):
+    for title, gm in converted_graphs(target):
         rows = [r for r in map(_row, gm.graph.nodes) if r is not None]
         facts = graph_facts(gm)
         record = {"graph": title, "policy": facts["policy"], "low_dtype": facts["low_dtype"],
@@ -203,12 +203,23 @@ def explain(target: Any, *, all_nodes: bool = False,
     table per captured graph). ``casts`` (from :func:`amprewrite.summary.count_forward_casts`)
     adds the cast kernels one forward runs, against ``torch.autocast``'s, to the summary.
     """
+    return _render(target, all_nodes, casts, with_summary=True)
+
+
+def decision_tables(target: Any, *, all_nodes: bool = False) -> str:
+    """:func:`explain` without its summary lines (the CLI prints the summary on its own)."""
+    return _render(target, all_nodes, None, with_summary=False)
+
+
+def _render(target: Any, all_nodes: bool, casts: dict[str, int] | None,
+            with_summary: bool) -> str:
     if not isinstance(all_nodes, bool):
         raise TypeError(f"amprewrite.explain(all_nodes={all_nodes!r}): expected True or False")
     parts = []
     for rec in explain_records(target):
         lines = [f"== {rec['graph']} ==" if rec["graph"] else ""]
-        lines += summary_lines(rec["facts"], casts)
+        if with_summary:
+            lines += summary_lines(rec["facts"], casts)
         columns = _COLUMNS + (("mode",) if "modes" in rec else ())
         lines += _table(columns, rec["nodes"]) if all_nodes else \
             _grouped_table(columns, rec["nodes"])

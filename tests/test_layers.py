@@ -38,7 +38,7 @@ LAYERS = [
     {"passes"},
     {"convert"},
     {"compile_backend"},
-    {"summary"},
+    {"summary", "code_view"},
     {"explain"},
     {"audit", "training"},
     {"precision"},

@@ -81,7 +81,8 @@ def _row(node: fx.Node) -> dict[str, Any] | None:
                  if a.op == "call_function" and a.args and isinstance(a.args[0], fx.Node)
                  and cast_info(a.args[0]) is not None and a.args[0].name in rec.casts]
         casts = list(dict.fromkeys(casts))
-    paths = module_paths(node)
+    # torch.export names nodes outside any module after a hook: they are top level
+    paths = [p for p in module_paths(node) if not p.startswith("_empty_nn_module_stack")]
     return {
         "node": node.name,
         "op": rec.op,

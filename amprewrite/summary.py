@@ -6,9 +6,9 @@ presentation (:func:`summary_lines`). Example (the demo's Llama)::
     model: LlamaLogits
     hardware: cpu: AVX2 (no avx512_bf16, no AMX); no fast bf16 kernels here
     policy: default (CUDA AMP rules), low dtype bf16
-    ops: 14 bf16, 23 fp32, 83 passthrough (120 op nodes)
-    casts: 25 cast nodes, 9 of weights (kept copies in inference, one cast per forward in
-           training); one forward runs 25 cast kernels, torch.autocast 38
+    ops: 10 bf16, 8 fp32, 99 passthrough (117 op nodes)
+    casts: 14 cast nodes, 8 of weights (kept copies in inference, one cast per forward in training)
+    cast kernels in one forward: 15, torch.autocast's on the same input: 18
 """
 
 from __future__ import annotations
@@ -90,14 +90,13 @@ def summary_lines(facts: dict[str, Any], casts: dict[str, int] | None = None) ->
     slow = "" if facts["fast_low_dtype"] else \
         f"; no fast {low} kernels here, expect it slower than fp32"
     ops = facts["ops"]
-    line = (f"casts: {facts['cast_nodes']} cast nodes, {facts['weight_cast_nodes']} of "
-            "weights (kept copies in inference, one cast per forward in training)")
+    lines = [f"casts: {facts['cast_nodes']} cast nodes, {facts['weight_cast_nodes']} of "
+             "weights (kept copies in inference, one cast per forward in training)"]
     if casts is not None:
-        line += (f"; one forward runs {casts['converted']} cast kernels, torch.autocast "
-                 f"{casts['autocast']}")
+        lines.append(f"cast kernels in one forward: {casts['converted']}, torch.autocast's on "
+                     f"the same input: {casts['autocast']}")
     return [f"model: {facts['model']}",
             f"hardware: {facts['hardware']}{slow}",
             f"policy: {facts['policy']}, low dtype {low}",
             f"ops: {ops['low']} {low}, {ops['fp32']} fp32, {ops['passthrough']} passthrough "
-            f"({sum(ops.values())} op nodes)",
-            line]
+            f"({sum(ops.values())} op nodes)", *lines]

@@ -136,7 +136,7 @@ def render(report: "AuditReport", max_rows: int) -> str:
     if s["masks"]:
         masks = [records[i] for i in s["masks"]]
         parts.append(f"masking, not overflow: {len(masks)} ops wrote or carried mask values "
-                     "(±finfo(dtype).max, or an inf filled on purpose): "
+                     "(±finfo(dtype).max, or an inf filled on purpose):\n  "
                      + ", ".join(f"{r.op} at {_where(r) or '?'}" for r in masks[:6])
                      + (", ..." if len(masks) > 6 else ""))
     rows = risk_rows(report, s)

@@ -4,13 +4,20 @@ Collection (:func:`explain_records`, plain dicts for ``--json``) is kept apart f
 presentation (:func:`explain`, a fixed-width table whose layout does not depend on any
 formatting library's version, so it can be pinned in tests and diffed between runs).
 
-Example (``Sequential(Linear(8, 8), Softmax(-1))``, export capture, default policy)::
+Example (``Sequential(Linear(8, 8), Softmax(-1))``, export capture, default policy; the
+summary lines come from :mod:`amprewrite.summary`)::
 
+    model: Sequential
+    hardware: cpu: AVX512 (avx512_bf16, amx)
     policy: default (CUDA AMP rules), low dtype bf16
-    node     op       category          dtype  out   rule           casts
-    -------  -------  ----------------  -----  ----  -------------  ------------------------------------------
-    linear   linear   lower             bf16   bf16  default table  input_1_bf16, _0_weight_bf16, _0_bias_bf16
-    softmax  softmax  fp32 (dtype arg)  f32    f32   default table  -
+    ops: 1 bf16, 1 fp32, 0 passthrough (2 op nodes)
+    casts: 3 cast nodes, 2 of weights (kept copies in inference, one cast per forward in training)
+      node     op       category          dtype  out   rule           casts
+      -------  -------  ----------------  -----  ----  -------------  ------------------------------------------
+    0:
+      linear   linear   lower             bf16   bf16  default table  input_1_bf16, _0_weight_bf16, _0_bias_bf16
+    1:
+      softmax  softmax  fp32 (dtype arg)  f32    f32   default table  -
     2 op nodes: 1 bf16, 1 f32; casts: 3 inserted, 0 eliminated, 0 guarded
 """
 

@@ -209,7 +209,7 @@ def _convert(args: argparse.Namespace, model: nn.Module, inputs: tuple,
 def _run(args: argparse.Namespace, model: nn.Module, inputs: tuple, kwargs: dict) -> Any:
     from ..code_view import marked_code
     from ..explain import decision_tables, explain_records
-    from ..summary import count_forward_casts, graph_facts, summary_lines
+    from ..summary import count_forward_casts, graph_facts
 
     if args.command in PRECISION_COMMANDS:
         return run_precision_command(args, model, inputs, kwargs)

@@ -6,7 +6,8 @@ each is documented in the README. The folders name the concepts: ``capture/`` (m
 graph), ``policy/`` (which op runs in which precision), ``passes/`` (the graph rewrite),
 ``runtime/`` (what converted graphs call), ``graph/`` (node facts shared by the passes),
 ``audit/`` (what ran, in which dtype), ``training/`` (master weights, loss scaling, memory),
-``precision/`` (error per op against an fp64 shadow; the fp32 search), ``cli/``.
+``precision/`` (error per op against an fp64 shadow; the fp32 search), ``htmlreport/`` (one
+self-contained HTML page), ``cli/``.
 """
 
 from . import versions  # first: a torch outside the tested range warns before anything fails
@@ -17,6 +18,7 @@ from .compile_backend import AmpBackend, backend, compile
 from .convert import convert
 from .errors import AmpRewriteError
 from .explain import explain
+from .htmlreport import html_report
 from .policy.policy import Policy
 from .precision.compare import GradError, NodeError, PrecisionReport, compare
 from .precision.search import SearchResult, search
@@ -34,7 +36,7 @@ __all__ = [
     # models with graph breaks
     "compile", "backend", "AmpBackend",
     # see what it did
-    "explain", "lint", "Lint", "audit", "AuditReport", "OpRecord", "GradHistogram",
+    "explain", "html_report", "lint", "Lint", "audit", "AuditReport", "OpRecord", "GradHistogram",
     # train
     "MasterWeights", "ScalerMonitor", "StepRecord",
     "memory_report", "compare_memory", "MemoryReport", "MemoryComparison",

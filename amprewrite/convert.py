@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .capture.converted import capture_converted, is_converted
+from .capture.converted import MODEL_KEY, capture_converted, is_converted
 from .capture.export import Regime, capture_export
 from .capture.modes import (
     MODE_KEY,
@@ -135,6 +135,7 @@ def convert(
         if opt_level != "O3":  # O3 runs on its own copy of the model: nothing is shared
             watch_model(gm, model)
     _record_inputs(gm, model, example_inputs, example_kwargs, capture)
+    gm.meta.setdefault(MODEL_KEY, type(model).__name__)  # a converted module keeps its name
     return finish(gm)
 
 

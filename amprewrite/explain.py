@@ -4,13 +4,20 @@ Collection (:func:`explain_records`, plain dicts for ``--json``) is kept apart f
 presentation (:func:`explain`, a fixed-width table whose layout does not depend on any
 formatting library's version, so it can be pinned in tests and diffed between runs).
 
-Example (``Sequential(Linear(8, 8), Softmax(-1))``, export capture, default policy)::
+Example (``Sequential(Linear(8, 8), Softmax(-1))``, export capture, default policy; the
+summary lines come from :mod:`amprewrite.summary`)::
 
+    model: Sequential
+    hardware: cpu: AVX512 (avx512_bf16, amx)
     policy: default (CUDA AMP rules), low dtype bf16
-    node     op       category          dtype  out   rule           casts
-    -------  -------  ----------------  -----  ----  -------------  ------------------------------------------
-    linear   linear   lower             bf16   bf16  default table  input_1_bf16, _0_weight_bf16, _0_bias_bf16
-    softmax  softmax  fp32 (dtype arg)  f32    f32   default table  -
+    ops: 1 bf16, 1 fp32, 0 passthrough (2 op nodes)
+    casts: 3 cast nodes, 2 of weights (kept copies in inference, one cast per forward in training)
+      node     op       category          dtype  out   rule           casts
+      -------  -------  ----------------  -----  ----  -------------  ------------------------------------------
+    0:
+      linear   linear   lower             bf16   bf16  default table  input_1_bf16, _0_weight_bf16, _0_bias_bf16
+    1:
+      softmax  softmax  fp32 (dtype arg)  f32    f32   default table  -
     2 op nodes: 1 bf16, 1 f32; casts: 3 inserted, 0 eliminated, 0 guarded
 """
 
@@ -27,26 +34,23 @@ from .capture.guards import is_input_guards
 from .capture.modes import NOT_CAPTURED_KEY, mode_graphs, mode_name, pending_mode
 from .compile_backend import AmpBackend
 from .graph.meta import META_KEY, cast_info, decision
-from .hardware import describe, model_device, slow_reason
-from .passes.opt_levels import OPT_LEVEL_KEY
-from .policy.policy import Policy
+from .graph.queries import module_paths
 from .policy.tables import OpCategory
+from .summary import graph_facts, policy_of, short_dtype, summary_lines
 
-__all__ = ["explain", "explain_records"]
+__all__ = ["explain", "explain_records", "decision_tables", "converted_graphs", "short_dtype"]
 
 _COLUMNS = ("node", "op", "category", "dtype", "out", "rule", "casts")
 
-
-def short_dtype(dtype: Any) -> str:
-    """``torch.bfloat16`` → ``"bf16"``; other dtypes by their torch name; None → ``"-"``."""
-    if not isinstance(dtype, torch.dtype):
-        return "-"
-    names = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32",
-             torch.float64: "f64", torch.int64: "i64", torch.int32: "i32", torch.bool: "bool"}
-    return names.get(dtype, str(dtype).replace("torch.", ""))
+SHAPE_OPS = frozenset({
+    "view", "reshape", "_unsafe_view", "view_as", "permute", "transpose", "t", "expand",
+    "expand_as", "unsqueeze", "squeeze", "flatten", "unflatten", "contiguous", "clone",
+    "slice", "select", "narrow", "getitem", "split", "split_with_sizes", "chunk", "unbind",
+    "size", "sym_size", "alias", "detach", "as_strided", "movedim", "lift_fresh_copy"})
+"""Ops that move or reshape values without computing on them: plumbing, folded by default."""
 
 
-def _graphs(target: Any) -> list[tuple[str, fx.GraphModule]]:
+def converted_graphs(target: Any) -> list[tuple[str, fx.GraphModule]]:
     """The converted graphs behind ``target``: a GraphModule from ``convert``, an
     ``amprewrite.backend()`` object, or a model returned by ``amprewrite.compile``."""
 
@@ -65,22 +69,11 @@ def _graphs(target: Any) -> list[tuple[str, fx.GraphModule]]:
             f"amprewrite.backend() or a model from amprewrite.compile; got "
             f"{type(target).__name__}. Convert the model first: "
             "explain(amprewrite.convert(model, example_inputs)).")
-    if _policy_of(target) is None:
+    if policy_of(target) is None:
         raise ValueError(
             f"amprewrite.explain: GraphModule {type(target).__name__} was not converted by "
             "amprewrite (no decisions recorded); pass the result of amprewrite.convert(...).")
     return [("", target)]
-
-
-def _policy_of(gm: fx.GraphModule) -> tuple[Policy, torch.dtype] | None:
-    """The policy and low dtype ``gm`` was converted with: O1's, or the rules of opt level
-    O2/O3 (None for O0, which decides nothing, and for modules amprewrite did not convert)."""
-    if "amprewrite_policy" in gm.meta:
-        return gm.meta["amprewrite_policy"]
-    level = gm.meta.get(OPT_LEVEL_KEY)
-    if level is None or level.dtype is None:
-        return None
-    return Policy(preset=level.level, dtype=level.dtype), level.dtype
 
 
 def _row(node: fx.Node) -> dict[str, Any] | None:
@@ -95,6 +88,8 @@ def _row(node: fx.Node) -> dict[str, Any] | None:
                  if a.op == "call_function" and a.args and isinstance(a.args[0], fx.Node)
                  and cast_info(a.args[0]) is not None and a.args[0].name in rec.casts]
         casts = list(dict.fromkeys(casts))
+    # torch.export names nodes outside any module after a hook: they are top level
+    paths = [p for p in module_paths(node) if not p.startswith("_empty_nn_module_stack")]
     return {
         "node": node.name,
         "op": rec.op,
@@ -105,7 +100,20 @@ def _row(node: fx.Node) -> dict[str, Any] | None:
         "rule": rec.rule,
         "casts": casts,
         "guarded": rec.guarded,
+        "module": paths[-1] if paths else "",
+        "float": _computes_on_floats(rec.op, val, "val" in node.meta),
     }
+
+
+def _computes_on_floats(op: str, val: Any, known: bool) -> bool:
+    """Whether a node is float compute (not integer/bool/shape plumbing); a node of
+    unknown dtype (guarded casts) counts as float compute."""
+    if op in SHAPE_OPS:
+        return False
+    if not known:
+        return True
+    return any(isinstance(t, torch.Tensor) and t.is_floating_point()
+               for t in torch.utils._pytree.tree_leaves(val))
 
 
 def _summary(gm: fx.GraphModule, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -132,16 +140,18 @@ def explain_records(target: Any) -> list[dict[str, Any]]:
     mode only, ``"both"`` for one both make), ``"summary"`` is the current mode's and
     ``"modes"`` maps each mode to its summary, or to ``{"not_captured": reason}``. A mode
     not captured yet (the module was never switched to it) is named by
-    ``"not_captured_yet"``; the rows are then the captured mode's, without ``"mode"``."""
+    ``"not_captured_yet"``; the rows are then the captured mode's, without ``"mode"``.
+
+    Each row names its innermost ``"module"`` and whether it is ``"float"`` compute (an op
+    on floating tensors that is not a view or reshape); ``"facts"`` is
+    :func:`amprewrite.summary.graph_facts`."""
     out = []
-    for title, gm in _graphs(target):
-        policy, low = _policy_of(gm)  # type: ignore[misc]  # _graphs checked it
+    for title, gm in converted_graphs(target):
         rows = [r for r in map(_row, gm.graph.nodes) if r is not None]
-        device = _graph_device(gm)
-        record = {"graph": title, "policy": policy.summary(),
-                  "low_dtype": short_dtype(low), "hardware": describe(device),
-                  "fast_low_dtype": slow_reason(device, low) is None, "nodes": rows,
-                  "summary": _summary(gm, rows)}
+        facts = graph_facts(gm)
+        record = {"graph": title, "policy": facts["policy"], "low_dtype": facts["low_dtype"],
+                  "hardware": facts["hardware"], "fast_low_dtype": facts["fast_low_dtype"],
+                  "facts": facts, "nodes": rows, "summary": _summary(gm, rows)}
         if mode_graphs(gm):
             _add_modes(record, gm)
         elif pending_mode(gm) is not None:
@@ -178,34 +188,49 @@ def _add_modes(record: dict[str, Any], gm: fx.GraphModule) -> None:
     record["nodes"] = merged
 
 
-def explain(target: Any) -> str:
-    """A table of every op node's precision decision, and a summary line.
+def explain(target: Any, *, all_nodes: bool = False,
+            casts: dict[str, int] | None = None) -> str:
+    """A summary, then the precision decision of every op that computes on floating tensors,
+    grouped by module, then a count line.
 
     Columns: ``node`` (FX node name, usable in ``Policy.override(nodes=...)``), ``op`` (the
     canonical op name, usable in ``ops=...``), ``category``, ``dtype`` (what the op computes
     in; ``-`` for passthrough ops), ``out`` (the dtype it produces), ``rule`` (the table,
-    override or autocast region that decided) and ``casts`` (cast nodes feeding it). Where
-    the module's train and eval modes run different graphs, a ``mode`` column says which
-    mode a decision belongs to (or ``both``), and a summary line follows for each mode. Only
-    captured modes are shown: a mode the module was never switched to is captured at its first
-    switch (``gm.train()`` / ``gm.eval()``; until then, whether its graph differs is not known),
-    so explain a module after switching it to each mode to see both.
+    override or autocast region that decided) and ``casts`` (cast nodes feeding it). Rows are
+    grouped under the module they run in; integer, bool and shape plumbing (views, reshapes,
+    index arithmetic, masks) is folded into one count per module. ``all_nodes=True`` lists
+    every op node, in graph order, without grouping. Where the module's train and eval modes
+    run different graphs, a ``mode`` column says which mode a decision belongs to (or
+    ``both``), and a summary line follows for each mode. Only captured modes are shown: a
+    mode the module was never switched to is captured at its first switch (``gm.train()`` /
+    ``gm.eval()``; until then, whether its graph differs is not known), so explain a module
+    after switching it to each mode to see both.
 
     ``target`` is a GraphModule from :func:`amprewrite.convert`, an
     :func:`amprewrite.backend` object, or a model from :func:`amprewrite.compile` (one
-    table per captured graph).
+    table per captured graph). ``casts`` (from :func:`amprewrite.summary.count_forward_casts`)
+    adds the cast kernels one forward runs, against ``torch.autocast``'s, to the summary.
     """
+    return _render(target, all_nodes, casts, with_summary=True)
+
+
+def decision_tables(target: Any, *, all_nodes: bool = False) -> str:
+    """:func:`explain` without its summary lines (the CLI prints the summary on its own)."""
+    return _render(target, all_nodes, None, with_summary=False)
+
+
+def _render(target: Any, all_nodes: bool, casts: dict[str, int] | None,
+            with_summary: bool) -> str:
+    if not isinstance(all_nodes, bool):
+        raise TypeError(f"amprewrite.explain(all_nodes={all_nodes!r}): expected True or False")
     parts = []
     for rec in explain_records(target):
-        slow = "" if rec["fast_low_dtype"] else \
-            f"; no fast {rec['low_dtype']} kernels here, expect it slower than fp32"
-        lines = [f"== {rec['graph']} ==" if rec["graph"] else "",
-                 f"policy: {rec['policy']}, low dtype {rec['low_dtype']}",
-                 f"hardware: {rec['hardware']}{slow}"]
+        lines = [f"== {rec['graph']} ==" if rec["graph"] else ""]
+        if with_summary:
+            lines += summary_lines(rec["facts"], casts)
         columns = _COLUMNS + (("mode",) if "modes" in rec else ())
-        rows = [[r[c] if c != "casts" else (", ".join(r[c]) or "-") for c in columns]
-                for r in rec["nodes"]]
-        lines += _table(columns, rows)
+        lines += _table(columns, rec["nodes"]) if all_nodes else \
+            _grouped_table(columns, rec["nodes"])
         if "modes" not in rec:
             lines.append(_summary_line(rec["summary"]))
         for mode, summary in rec.get("modes", {}).items():
@@ -216,10 +241,30 @@ def explain(target: Any) -> str:
     return "\n\n".join(parts)
 
 
-def _graph_device(gm: fx.GraphModule) -> torch.device:
-    """Where the graph computes: its parameters' device, else its example inputs'."""
-    inputs = tuple(n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder"))
-    return model_device(gm, inputs, None)
+def _cells(columns: tuple[str, ...], row: dict[str, Any]) -> list[str]:
+    return [row[c] if c != "casts" else (", ".join(row[c]) or "-") for c in columns]
+
+
+def _grouped_table(columns: tuple[str, ...], rows: list[dict[str, Any]]) -> list[str]:
+    """The float-compute rows under one line per run of nodes of one module, which also
+    counts the plumbing nodes folded away there."""
+    groups: list[tuple[str, list[dict[str, Any]], int]] = []
+    for row in rows:
+        if not groups or groups[-1][0] != row["module"]:
+            groups.append((row["module"], [], 0))
+        module, kept, folded = groups[-1]
+        if row["float"]:
+            kept.append(row)
+        else:
+            groups[-1] = (module, kept, folded + 1)
+    table = _table(columns, [r for _, kept, _ in groups for r in kept], indent="  ")
+    out, body = table[:2], iter(table[2:])
+    for module, kept, folded in groups:
+        note = f" ({folded} integer/bool/shape node{'s' if folded != 1 else ''} folded)" \
+            if folded else ""
+        out.append(f"{module or '(top level)'}:{note}")
+        out += [next(body) for _ in kept]
+    return out
 
 
 def _summary_line(s: dict[str, Any]) -> str:
@@ -230,10 +275,11 @@ def _summary_line(s: dict[str, Any]) -> str:
             f"{s['guarded_casts']} guarded")
 
 
-def _table(header: tuple[str, ...], rows: list[list[str]]) -> list[str]:
-    widths = [max([len(h)] + [len(str(r[i])) for r in rows]) for i, h in enumerate(header)]
+def _table(header: tuple[str, ...], rows: list[dict[str, Any]], indent: str = "") -> list[str]:
+    cells = [_cells(header, r) for r in rows]
+    widths = [max([len(h)] + [len(str(r[i])) for r in cells]) for i, h in enumerate(header)]
 
-    def line(cells: Any) -> str:
-        return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+    def line(values: Any) -> str:
+        return indent + "  ".join(str(c).ljust(w) for c, w in zip(values, widths)).rstrip()
 
-    return [line(header), line("-" * w for w in widths)] + [line(r) for r in rows]
+    return [line(header), line("-" * w for w in widths)] + [line(r) for r in cells]

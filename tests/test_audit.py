@@ -242,7 +242,7 @@ def test_no_host_sync_per_op(monkeypatch):
         assert calls == {k: 0 for k in calls}
         pending = [v for g in session._recorder.groups for v in g.raw]
         assert len(pending) == len(session._recorder.groups) > 50
-        assert all(isinstance(v, torch.Tensor) and v.shape == (9,) for v in pending)
+        assert all(isinstance(v, torch.Tensor) and v.shape == (10,) for v in pending)
         assert report.records == []  # nothing read yet
     assert calls == {"tolist": 1, "item": 0, "bool": 0, "float": 0, "int": 0}
     assert len(report.records) == len(pending)
@@ -399,3 +399,48 @@ def test_a_recording_failure_never_breaks_the_step(monkeypatch) -> None:
             out = model(x)
             out.sum().backward()
     assert torch.isfinite(out).all() and model.fc1.weight.grad is not None
+
+
+class TinyAttention(nn.Module):
+    """Scores masked with ``finfo(float32).min`` (as HF models do), and an RMSNorm-like
+    ``pow`` whose backward overflows fp16 for a large input: the real risk."""
+
+    def __init__(self, fill: float) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.fill = fill
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        mask = torch.ones(n, n, dtype=torch.bool).triu(1)
+        q = self.q(x)
+        scores = (q @ q.transpose(-1, -2)).float().masked_fill(mask, self.fill)
+        return scores.softmax(-1) @ x + x.pow(2) * 1e3
+
+
+def test_mask_sentinels_are_masking_not_overflow() -> None:
+    model = TinyAttention(torch.finfo(torch.float32).min)
+    x = torch.randn(2, 4, 8) * 20
+    x.requires_grad_()
+    with amprewrite.audit() as report:
+        model(x).sum().backward()
+    (fill,) = [r for r in report if r.op == "masked_fill" and r.phase == "forward"]
+    assert fill.mask_fill and fill.is_mask and fill.mask_values == 2 * 6
+    assert fill.fp16_overflow == 0 and fill.max_abs < 1e6  # the sentinels are left out
+    summary = report.summary()
+    assert fill.is_mask and report.records.index(fill) in summary["masks"]
+    risk = [report.records[item["record"]] for item in summary["top_overflow_risk"]]
+    assert risk[0].fp16_overflow and not risk[0].is_mask  # real risk first
+    flags = [r.is_mask for r in risk]
+    assert flags == sorted(flags)  # masks after every real risk
+    text = report.table()
+    assert "masking, not overflow" in text and "masked_fill at" in text
+
+
+def test_a_mask_of_inf_is_not_a_nonfinite_producer() -> None:
+    model = TinyAttention(float("-inf"))
+    with amprewrite.audit() as report:
+        model(torch.randn(2, 4, 8)).sum()
+    (fill,) = [r for r in report if r.op == "masked_fill" and r.phase == "forward"]
+    assert fill.nonfinite == 12 and fill.mask_fill and not fill.produced_nonfinite
+    assert report.first_nonfinite is None

@@ -65,13 +65,26 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
 
 
 # -- as a subprocess --------------------------------------------------------------------------
-def test_demo() -> None:
-    proc = run_cli("demo")
+def test_demo(tmp_path: Path) -> None:
+    proc = run_cli("demo", "--html", str(tmp_path / "demo.html"))
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    sections = ["== rewritten graph (gm.code) ==", "== decisions (amprewrite.explain) ==",
-                "== one training step (amprewrite.audit) ==", "== accuracy vs fp32 =="]
+    sections = ["== summary ==", "== rewritten graph (gm.code; # cast marks casts) ==",
+                "== decisions on floating tensors (amprewrite.explain) ==",
+                "== one training step (amprewrite.audit) =="]
     assert [out.index(s) for s in sections] == sorted(out.index(s) for s in sections)
+    first_screen = "\n".join(out.splitlines()[:40])
+    assert first_screen.startswith("== summary ==\nmodel: LlamaLogits\nhardware: ")
+    assert re.search(r"ops: 10 bf16, \d+ fp32, \d+ passthrough", first_screen)
+    assert re.search(r"cast kernels in one forward: \d+, torch.autocast's on the same "
+                     r"input: \d+", first_screen)
+    assert re.search(r"vs torch.autocast, same input: forward [\d.]+ ms vs [\d.]+ ms", first_screen)
+    assert re.search(r"max \|logits - fp32 logits\|: [\d.e-]+ \(torch.autocast", first_screen)
+    # the mask's finfo.min is masking; the backward pow of the RMSNorm is the real risk
+    assert "masking, not overflow: " in out
+    risk = out[out.index("fp16 headroom (bits)"):].splitlines()[2]
+    assert " pow " in risk and "backward" in risk
+    assert "<table class='sortable'>" in (tmp_path / "demo.html").read_text()
     # a HF Llama: 7 projections and the LM head in bf16 (their weights read in one call, each
     # cast where it is used), the attention's two matmuls too; its own softmax(dtype=float32)
     # kept
@@ -81,7 +94,6 @@ def test_demo() -> None:
     assert re.search(r"linear_\d+ +linear +lower +bf16 +bf16 +default table", out)
     assert re.search(r"\d+ op nodes: 10 bf16, \d+ f32, \d+ passthrough; casts: \d+ inserted", out)
     assert "amprewrite audit:" in out and "backward" in out
-    assert "max |logits - fp32 logits|: amprewrite" in out
     assert "Traceback" not in proc.stderr
 
 
@@ -95,7 +107,9 @@ def test_explain_and_audit_a_factory(project: Path) -> None:
 def test_audit_json_from_a_file_target(project: Path, capsys) -> None:
     assert main(["audit", "userfactories.py:mlp", "--policy", "autocast-cpu", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["summary"][0]["per_dtype"] == {"bf16": 2, "passthrough": 2}
+    (facts,) = result["summary"]["graphs"]
+    assert facts["ops"] == {"low": 2, "fp32": 0, "passthrough": 2}
+    assert set(result["summary"]["forward_casts"]) == {"converted", "autocast"}
     phases = {r["phase"] for r in result["audit"]["records"]}
     assert phases == {"forward", "backward"}
 
@@ -140,6 +154,31 @@ def test_explain_json(project: Path, capsys) -> None:
     (graph,) = result["explain"]
     assert [n["op"] for n in graph["nodes"]] == ["linear", "relu", "linear", "softmax"]
     assert graph["summary"]["casts_inserted"] == 5
+
+
+def test_code_marks_casts_and_flags(project: Path, capsys) -> None:
+    assert main(["explain", "userfactories:mlp"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("== summary ==\nmodel: Sequential\n")
+    assert re.search(r"\n +input_1_bf16 = input_1\.bfloat16\(\).*  # cast\n", out)
+    assert re.search(r"\n +linear = .*[^t]\n", out)  # an op line is not marked
+    assert "softmax = " in out and "folded" not in out  # no plumbing in an MLP
+    assert main(["explain", "userfactories:mlp", "--casts-only", "--all-nodes"]) == 0
+    only = capsys.readouterr().out
+    code = only[only.index("(gm.code"):only.index("== decisions")]
+    assert "# cast" in code and "def forward" not in code and "    ..." in code
+    assert "\nlinear " in only  # --all-nodes: the table of every node, ungrouped
+
+
+def test_html_from_explain_and_audit(project: Path, capsys) -> None:
+    assert main(["audit", "userfactories:mlp", "--html", "audit.html"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("== summary ==") and "amprewrite audit:" in out
+    page = (project / "audit.html").read_text()
+    assert "gradient magnitudes" in page and "every op" in page
+    assert main(["explain", "userfactories:mlp", "--html", "explain.html"]) == 0
+    assert "class='cast'" in (project / "explain.html").read_text() or \
+        "class='dt-low cast'" in (project / "explain.html").read_text()
 
 
 def test_audit_refuses_compile_capture(project: Path, capsys) -> None:

@@ -43,14 +43,22 @@ class TestExplain(expecttest.TestCase):
     def test_export_default_policy(self) -> None:
         gm = amprewrite.convert(Small(), X)
         self.assertExpectedInline(_decisions(gm), """\
+model: Small
 policy: default (CUDA AMP rules), low dtype bf16
-node        op          category          dtype  out   rule           casts
-----------  ----------  ----------------  -----  ----  -------------  -------------------------------------------------
-linear      linear      lower             bf16   bf16  default table  x_bf16, lin_weight_bf16, lin_bias_bf16
-add         add         passthrough       -      f32   not listed     -
-layer_norm  layer_norm  fp32              f32    f32   default table  -
-linear_1    linear      lower             bf16   bf16  default table  layer_norm_bf16, head_weight_bf16, head_bias_bf16
-softmax     softmax     fp32 (dtype arg)  f32    f32   default table  -
+ops: 2 bf16, 2 fp32, 1 passthrough (5 op nodes)
+casts: 6 cast nodes, 4 of weights (kept copies in inference, one cast per forward in training)
+  node        op          category          dtype  out   rule           casts
+  ----------  ----------  ----------------  -----  ----  -------------  -------------------------------------------------
+lin:
+  linear      linear      lower             bf16   bf16  default table  x_bf16, lin_weight_bf16, lin_bias_bf16
+(top level):
+  add         add         passthrough       -      f32   not listed     -
+norm:
+  layer_norm  layer_norm  fp32              f32    f32   default table  -
+head:
+  linear_1    linear      lower             bf16   bf16  default table  layer_norm_bf16, head_weight_bf16, head_bias_bf16
+(top level):
+  softmax     softmax     fp32 (dtype arg)  f32    f32   default table  -
 5 op nodes: 2 bf16, 2 f32, 1 passthrough; casts: 6 inserted, 0 eliminated, 0 guarded""")
 
     def test_overrides_name_the_rule(self) -> None:
@@ -58,27 +66,43 @@ softmax     softmax     fp32 (dtype arg)  f32    f32   default table  -
                                                  keep_fp32=["head"])
         gm = amprewrite.convert(Small(), X, policy=policy)
         self.assertExpectedInline(_decisions(gm), """\
+model: Small
 policy: autocast('cpu') + 2 overrides, low dtype bf16
-node        op          category     dtype  out   rule                    casts
-----------  ----------  -----------  -----  ----  ----------------------  --------------------------------------
-linear      linear      lower        bf16   bf16  cpu table               x_bf16, lin_weight_bf16, lin_bias_bf16
-add         add         passthrough  -      f32   not listed              -
-layer_norm  layer_norm  passthrough  -      f32   not listed              -
-linear_1    linear      fp32         f32    f32   module override 'head'  -
-softmax     softmax     fp32         f32    f32   op override 'softmax'   -
+ops: 1 bf16, 2 fp32, 2 passthrough (5 op nodes)
+casts: 3 cast nodes, 2 of weights (kept copies in inference, one cast per forward in training)
+  node        op          category     dtype  out   rule                    casts
+  ----------  ----------  -----------  -----  ----  ----------------------  --------------------------------------
+lin:
+  linear      linear      lower        bf16   bf16  cpu table               x_bf16, lin_weight_bf16, lin_bias_bf16
+(top level):
+  add         add         passthrough  -      f32   not listed              -
+norm:
+  layer_norm  layer_norm  passthrough  -      f32   not listed              -
+head:
+  linear_1    linear      fp32         f32    f32   module override 'head'  -
+(top level):
+  softmax     softmax     fp32         f32    f32   op override 'softmax'   -
 5 op nodes: 1 bf16, 2 f32, 2 passthrough; casts: 3 inserted, 0 eliminated, 0 guarded""")
 
     def test_symbolic_without_inputs_is_guarded(self) -> None:
         gm = amprewrite.convert(Small())
         self.assertExpectedInline(_decisions(gm), """\
+model: Small
 policy: default (CUDA AMP rules), low dtype bf16
-node        op          category          dtype  out  rule           casts
-----------  ----------  ----------------  -----  ---  -------------  -------------------------------------------------
-linear      linear      lower             bf16   ?    default table  x_bf16, lin_weight_bf16, lin_bias_bf16
-add         add         passthrough       -      ?    not listed     -
-layer_norm  layer_norm  fp32              f32    ?    default table  add_f32
-linear_1    linear      lower             bf16   ?    default table  layer_norm_bf16, head_weight_bf16, head_bias_bf16
-softmax     softmax     fp32 (dtype arg)  f32    ?    default table  -
+ops: 2 bf16, 2 fp32, 1 passthrough (5 op nodes)
+casts: 7 cast nodes, 4 of weights (kept copies in inference, one cast per forward in training)
+  node        op          category          dtype  out  rule           casts
+  ----------  ----------  ----------------  -----  ---  -------------  -------------------------------------------------
+lin:
+  linear      linear      lower             bf16   ?    default table  x_bf16, lin_weight_bf16, lin_bias_bf16
+(top level):
+  add         add         passthrough       -      ?    not listed     -
+norm:
+  layer_norm  layer_norm  fp32              f32    ?    default table  add_f32
+head:
+  linear_1    linear      lower             bf16   ?    default table  layer_norm_bf16, head_weight_bf16, head_bias_bf16
+(top level):
+  softmax     softmax     fp32 (dtype arg)  f32    ?    default table  -
 5 op nodes: 2 bf16, 2 f32, 1 passthrough; casts: 7 inserted, 0 eliminated, 3 guarded""")
 
 
@@ -104,8 +128,43 @@ def test_records_are_json_ready() -> None:
     assert again["nodes"][0] == {
         "node": "linear", "op": "linear", "category": "lower", "dtype": "bf16", "out": "bf16",
         "rule": "default table", "casts": ["x_bf16", "lin_weight_bf16", "lin_bias_bf16"],
-        "guarded": False}
+        "guarded": False, "module": "lin", "float": True}
     assert again["summary"]["per_dtype"] == {"bf16": 2, "f32": 2, "passthrough": 1}
+    assert again["facts"]["ops"] == {"low": 2, "fp32": 2, "passthrough": 1}
+    assert again["facts"]["model"] == "Small" and again["facts"]["cast_nodes"] == 6
+
+
+class Masked(nn.Module):
+    """Float compute and integer/bool plumbing in one module (a causal mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx = torch.arange(x.shape[-1])
+        mask = (idx[None, :] > idx[:, None]).unsqueeze(0)
+        h = self.lin(x)
+        return (h @ h.transpose(-1, -2)).masked_fill(mask, float("-inf")).softmax(-1)
+
+
+def test_default_view_folds_plumbing_per_module() -> None:
+    gm = amprewrite.convert(Masked(), (torch.randn(2, 8, 8),))
+    text = amprewrite.explain(gm)
+    lines = text.splitlines()
+    assert lines[0] == "model: Masked" and lines[3].startswith("ops: ")
+    nodes = {r["node"]: r for r in explain_records(gm)[0]["nodes"]}
+    plumbing = [n for n, r in nodes.items() if not r["float"]]
+    assert {"arange", "gt", "unsqueeze", "transpose"} <= set(plumbing)
+    assert "integer/bool/shape nodes folded" in text
+    for name in plumbing:
+        assert f"  {name} " not in text
+    for name in ("linear", "matmul", "masked_fill", "softmax"):
+        assert f"  {name} " in text
+    full = amprewrite.explain(gm, all_nodes=True)
+    assert all(f"\n{name} " in full for name in nodes) and "folded" not in full
+    with pytest.raises(TypeError, match="all_nodes='yes'"):
+        amprewrite.explain(gm, all_nodes="yes")
 
 
 def test_rejects_what_was_not_converted() -> None:

@@ -2,8 +2,8 @@
 
 Layers, lowest first (the README's "How it works" shows the same map)::
 
-    errors, hardware,    no imports from the package (versions: the tested torch range)
-    versions
+    errors, hardware,    no imports from the package (versions: the tested torch range;
+    versions, cast_count cast_count: the cast kernels a run makes)
     policy               which op runs in which precision (data and rules)
     runtime              what converted graphs call while they run
     graph                facts about nodes shared by capture, passes and tools
@@ -11,9 +11,11 @@ Layers, lowest first (the README's "How it works" shows the same map)::
     passes               the graph rewrite
     convert              the entry point that runs capture and passes
     compile_backend      the torch.compile backend (runs the passes on Dynamo graphs)
+    summary              the first lines of explain, audit and demo
     explain              the decisions of a converted graph, as a table
     audit, training      what ran and in which dtype; master weights, loss scaling, memory
     precision            error per op against an fp64 shadow; the search for fp32 overrides
+    htmlreport           one self-contained HTML page of summary, code, decisions and audit
     cli                  the command line
 
 An import guarded by ``if TYPE_CHECKING:`` is for annotations only and never runs; it may point
@@ -28,7 +30,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "amprewrite"
 
 LAYERS = [
-    {"errors", "hardware", "versions"},
+    {"errors", "hardware", "versions", "cast_count"},
     {"policy"},
     {"runtime"},
     {"graph"},
@@ -36,9 +38,11 @@ LAYERS = [
     {"passes"},
     {"convert"},
     {"compile_backend"},
+    {"summary", "code_view"},
     {"explain"},
     {"audit", "training"},
     {"precision"},
+    {"htmlreport"},
     {"cli"},
     {"__main__", "__init__"},
 ]

@@ -10,6 +10,7 @@ Per call the raw statistics vector is (``_RAW``): ``max_abs`` (largest finite |x
 ``min_nz`` (smallest nonzero finite |x|), ``nonfinite`` (inf/NaN count), ``zero`` (exact
 zeros), ``over`` (finite |x| > 65504 in a wider dtype, or +-inf in an fp16 output), ``small``
 (|x| below fp16's smallest normal, zeros included: underflow is ``small - zero``),
+``mask`` (mask sentinels ``±finfo(dtype).max``, left out of ``max_abs`` and ``over``),
 ``has_nan``, and ``in_nonfinite`` / ``in_nan`` for the op's inputs. An op *produced* inf/NaN
 when its output has some and its inputs none, or when it made NaN from NaN-free inputs (a
 softmax over an all ``-inf`` row: the ``-inf`` were intended, the NaN is the bug).
@@ -32,15 +33,15 @@ from .grad_hist import accumulate
 from .stats import STAT_DTYPE, has_nan, output_stats
 from .where import Attribution
 
-__all__ = ["CallMeta", "Recorder", "_AuditMode", "FP16_MAX", "FP16_TINY"]
+__all__ = ["CallMeta", "Recorder", "_AuditMode", "FP16_MAX", "FP16_TINY", "writes_mask_value"]
 
 FP16_MAX = 65504.0
 FP16_TINY = 6.103515625e-05
 """fp16's smallest normal, 2**-14."""
 _INF = float("inf")
 _ACC = STAT_DTYPE
-_RAW = ("max_abs", "min_nz", "nonfinite", "zero", "over", "small", "has_nan", "in_nonfinite",
-        "in_nan")
+_RAW = ("max_abs", "min_nz", "nonfinite", "zero", "over", "small", "mask", "has_nan",
+        "in_nonfinite", "in_nan")
 _COMPACT_EVERY = 64
 """In aggregate mode, pending vectors of one group are folded into one every this many calls."""
 
@@ -49,6 +50,22 @@ _ALIASING = frozenset({torch.ops.aten._unsafe_view.default, torch.ops.aten.lift_
 _UNINITIALIZED = frozenset(getattr(torch.ops.aten, n) for n in (
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"))
 """Ops whose output is uninitialized memory: no statistics (they would be garbage)."""
+_MASK_WRITERS = frozenset({"masked_fill", "masked_fill_", "where", "full", "full_like",
+                           "new_full", "fill", "fill_", "scalar_tensor"})
+"""Ops that write a given value: an inf or ``finfo.max`` they write is a mask, on purpose."""
+
+
+def writes_mask_value(op: str, args: tuple, kwargs: dict) -> bool:
+    """Whether ``op`` writes a mask sentinel given as a number (±inf, ±finfo(dtype).max of a
+    floating dtype): ``masked_fill(mask, -inf)``, ``full(..., finfo.min)``."""
+    if op not in _MASK_WRITERS:
+        return False
+    values = [a for a in list(args) + list(kwargs.values()) if isinstance(a, float)]
+    return any(abs(v) == _INF or abs(v) in _SENTINELS for v in values)
+
+
+_SENTINELS = frozenset(torch.finfo(d).max for d in
+                       (torch.float16, torch.bfloat16, torch.float32, torch.float64))
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float16`` -> ``"float16"``."""
@@ -67,6 +84,7 @@ class CallMeta(NamedTuple):
     shape: tuple[int, ...]
     cast: bool
     grad_fn: str | None
+    mask_fill: bool = False
 
 
 @dataclasses.dataclass
@@ -87,8 +105,8 @@ class Group:
 def _combine(vecs: list[torch.Tensor]) -> torch.Tensor:
     """Statistics of several outputs of one op as one vector."""
     s = torch.stack(vecs)
-    return torch.cat([s[:, 0].amax().reshape(1), s[:, 1].amin().reshape(1), s[:, 2:6].sum(0),
-                      s[:, 6].amax().reshape(1)])
+    return torch.cat([s[:, 0].amax().reshape(1), s[:, 1].amin().reshape(1), s[:, 2:7].sum(0),
+                      s[:, 7].amax().reshape(1)])
 
 
 class Recorder:
@@ -131,9 +149,10 @@ class Recorder:
         op = func._overloadpacket.__name__
         first = floating[0] if floating else outs[0]
         cast = ctx.cast_node or (op in ("_to_copy", "to") and converts)
+        mask_fill = writes_mask_value(op, args, kwargs)
         meta = CallMeta(op, ctx.node, ctx.module, phase,
                         tuple(dtype_name(t.dtype) for t in inputs), dtype_name(first.dtype),
-                        tuple(first.shape), cast, grad_name)
+                        tuple(first.shape), cast, grad_name, mask_fill)
         # Inputs first: an in-place op's output is its input, whose old statistics count.
         in_entries = [self._input_entry(t, outs) for t in inputs]
         if func._overloadpacket in _UNINITIALIZED:
@@ -142,8 +161,9 @@ class Recorder:
                 zero = torch.zeros((), dtype=_ACC, device=t.device)
                 self._nonfinite[t] = (_version(t), zero, zero)
         # NB: an op without floating inputs (full, scalar_tensor, arange) that makes inf
-        # does so on purpose (attention masks): it is a source, never blamed as a producer.
-        constant = not any(t.is_floating_point() or t.is_complex() for t in inputs)
+        # does so on purpose (attention masks): it is a source, never blamed as a producer;
+        # so is one that writes a given inf (masked_fill(mask, -inf)).
+        constant = mask_fill or not any(t.is_floating_point() or t.is_complex() for t in inputs)
         vec = self._stats(floating, in_entries, phase, cast, constant)
         group = self._group(meta)
         group.count += 1
@@ -154,8 +174,8 @@ class Recorder:
             if self.aggregate:
                 # Slot 6 becomes "this call's index if it produced inf/NaN, else inf", so that
                 # folding needs no host values (kernels with scalar arguments only).
-                producer = ((vec[2] > 0) & (vec[7] == 0)) | ((vec[6] > 0) & (vec[8] == 0))
-                vec = torch.cat([vec[:7], torch.where(producer, float(self.calls), _INF)
+                producer = ((vec[2] > 0) & (vec[8] == 0)) | ((vec[7] > 0) & (vec[9] == 0))
+                vec = torch.cat([vec[:8], torch.where(producer, float(self.calls), _INF)
                                  .reshape(1).to(vec.dtype)])
             group.raw.append(vec)
             if self.aggregate and len(group.raw) >= _COMPACT_EVERY:
@@ -170,7 +190,7 @@ class Recorder:
         for t in floating:
             vec, hist = output_stats(t)
             vecs.append(vec)
-            self._nonfinite[t] = (_version(t), vec[2], vec[6])
+            self._nonfinite[t] = (_version(t), vec[2], vec[7])
             if phase == "backward" and not cast:
                 device = t.device
                 self.grad_hist[device] = accumulate(self.grad_hist.get(device), hist, vec[3])
@@ -260,6 +280,7 @@ class GroupStats(NamedTuple):
     nonfinite: int
     fp16_overflow: int
     fp16_underflow: int
+    mask_values: int
     producer_call: int | None
     """Index of the first call of this group that produced a non-finite value from finite
     inputs, None if none did."""
@@ -267,18 +288,18 @@ class GroupStats(NamedTuple):
 
 def _group_stats(group: Group, row: list[float] | None, aggregate: bool) -> GroupStats:
     if row is None:
-        return GroupStats(None, None, 0, 0, 0, None)
-    max_abs, min_nz, nonfinite, zero, over, small, nan = row[:7]
+        return GroupStats(None, None, 0, 0, 0, 0, None)
+    max_abs, min_nz, nonfinite, zero, over, small, mask, nan = row[:8]
     if aggregate:
-        producer = None if row[7] == _INF else int(row[7])
+        producer = None if row[8] == _INF else int(row[8])
     else:
-        in_nonfinite, in_nan = row[7:]
+        in_nonfinite, in_nan = row[8:]
         made = (nonfinite and not in_nonfinite) or (nan and not in_nan)
         producer = group.first_call if made else None
     if max_abs < 0:
         max_abs = None  # no finite value at all
     return GroupStats(max_abs, None if min_nz == _INF else min_nz, int(nonfinite), int(over),
-                      int(small - zero), producer)
+                      int(small - zero), int(mask), producer)
 
 
 def fold(group: Group) -> None:
@@ -287,8 +308,8 @@ def fold(group: Group) -> None:
         return
     s = torch.stack(group.raw if group.acc is None else [group.acc] + group.raw)
     group.acc = torch.cat([s[:, 0].amax().reshape(1), s[:, 1].amin().reshape(1),
-                           s[:, 2:6].sum(0), s[:, 6].amax().reshape(1),
-                           s[:, 7].amin().reshape(1)])
+                           s[:, 2:7].sum(0), s[:, 7].amax().reshape(1),
+                           s[:, 8].amin().reshape(1)])
     group.raw = []
 
 

@@ -49,6 +49,12 @@ class OpRecord:
     inputs into inf/NaN, or NaN-free inputs into NaN (rather than passing them on). NB: ops
     without floating inputs (``full``, ``scalar_tensor``) that make inf do it on purpose
     (attention masks) and are not blamed; a softmax that turns such a row into NaN is.
+
+    Masks are masks: ``mask_values`` counts output values equal to ``±finfo(dtype).max``
+    (what ``masked_fill(mask, torch.finfo(dtype).min)`` writes, and what adding a score to
+    it gives back), which ``max_abs`` and ``fp16_overflow`` leave out; ``mask_fill`` marks an
+    op that writes a given inf or ``finfo.max`` (``masked_fill``, ``where``, ``full``,
+    ``fill_``) on purpose. :attr:`is_mask` is either.
     """
 
     op: str
@@ -71,6 +77,13 @@ class OpRecord:
     count: int = 1
     flops: int = 0
     cast_bytes: int = 0
+    mask_values: int = 0
+    mask_fill: bool = False
+
+    @property
+    def is_mask(self) -> bool:
+        """The op wrote or carried attention-mask sentinels (masking, not overflow)."""
+        return bool(self.mask_values or self.mask_fill)
 
     @property
     def label(self) -> str:
@@ -204,7 +217,8 @@ class _AuditSession:
                 min_nonzero_abs=s.min_nonzero_abs, nonfinite=s.nonfinite,
                 fp16_overflow=s.fp16_overflow, fp16_underflow=s.fp16_underflow, cast=m.cast,
                 grad_fn=m.grad_fn, produced_nonfinite=s.producer_call is not None,
-                count=group.count, flops=group.flops, cast_bytes=group.nbytes)
+                count=group.count, flops=group.flops, cast_bytes=group.nbytes,
+                mask_values=s.mask_values, mask_fill=m.mask_fill)
             records.append(record)
             if s.producer_call is not None and (first_call is None or s.producer_call < first_call):
                 first_call, first = s.producer_call, record

@@ -1,8 +1,9 @@
 """Per-tensor statistics for the auditor, computed on the tensor's device without host syncs.
 
 For one floating tensor: largest finite |x|, smallest nonzero |x|, and counts of inf/NaN,
-zeros, values that overflow fp16 and values below fp16's smallest normal, plus a histogram
-of binary exponents. All of it is read off the magnitude bits (the float viewed as an
+zeros, values that overflow fp16, values below fp16's smallest normal and mask sentinels
+(``±finfo(dtype).max``, the value ``finfo(dtype).min`` masks write: counted apart, left out
+of the largest |x| and of the overflow count), plus a histogram of binary exponents. All of it is read off the magnitude bits (the float viewed as an
 integer with the sign bit cleared, which orders like |x|) with integer arithmetic: on CPU
 that is several times faster than float compares, and every result is a 0-d or small tensor.
 """
@@ -24,6 +25,9 @@ _ACC = STAT_DTYPE
 _INT_VIEW = {torch.float32: (torch.int32, 23, 0x7FFFFFFF, 0x7F800000, 0x477FE000),
              torch.bfloat16: (torch.int16, 7, 0x7FFF, 0x7F80, 0x477F)}
 _BIAS = 127
+_SENTINEL = {torch.float32: 0x7F7FFFFF, torch.bfloat16: 0x7F7F, torch.float16: 0x477FE000}
+"""|finfo(dtype).max| as magnitude bits of the view the statistics read (fp16 is read as
+fp32): the mask value of ``masked_fill(mask, torch.finfo(dtype).min)``."""
 
 
 def exponent_histogram(bits: torch.Tensor, shift: int,
@@ -40,8 +44,10 @@ def exponent_histogram(bits: torch.Tensor, shift: int,
 
 
 def output_stats(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(max_abs, min_nz, nonfinite, zero, over, small, has_nan) of one floating tensor as a
-    float64 vector, and its exponent histogram (summed into the gradient histogram).
+    """(max_abs, min_nz, nonfinite, zero, over, small, mask, has_nan) of one floating tensor
+    as a float64 vector, and its exponent histogram (summed into the gradient histogram).
+    ``mask`` counts sentinels (``±finfo(t.dtype).max``); ``max_abs`` and ``over`` leave
+    them out.
 
     Everything is computed on the magnitude bits with integer arithmetic (on CPU several
     times faster than float compares): one exponent histogram gives the non-finite, small
@@ -68,14 +74,23 @@ def output_stats(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         over = count(tmp).to(_ACC) - counts[0]
     else:
         over = counts[2]  # bf16 has no value between 65504 and 2**16
-    # (bits - inf) & mask puts finite patterns above all non-finite ones (order kept), so
-    # its max is the finite max shifted; (bits - 1) & mask sends 0 to the top for the min.
-    # NaN patterns are the ones above +inf's.
+    sentinel = _SENTINEL.get(t.dtype)
+    if sentinel is None:
+        mask_count = torch.zeros((), dtype=_ACC, device=x.device)
+        pivot = inf_bits
+    else:
+        mask_count = (t.numel() - count(torch.bitwise_xor(bits, sentinel, out=tmp))).to(_ACC)
+        pivot = sentinel
+        if t.dtype != torch.float16:  # fp16's sentinel is 65504 itself, not above it
+            over = over - mask_count
+    # (bits - pivot) & mask puts the patterns below the pivot (+inf, or the sentinel) above
+    # all others (order kept), so its max is the largest finite non-sentinel value shifted;
+    # (bits - 1) & mask sends 0 to the top for the min. NaN patterns are those above +inf's.
     has_nan = bits.amax() > inf_bits
-    finite_max = torch.sub(bits, inf_bits, out=tmp).bitwise_and_(mask).amax()
+    finite_max = torch.sub(bits, pivot, out=tmp).bitwise_and_(mask).amax()
     nonzero_min = torch.sub(bits, 1, out=tmp).bitwise_and_(mask).amin()
     extremes = torch.stack([finite_max, nonzero_min]).to(torch.int32)
-    extremes = extremes + _offsets(extremes.device, mask - inf_bits + 1)
+    extremes = extremes + _offsets(extremes.device, mask - pivot + 1)
     if int_dtype == torch.int16:
         extremes = extremes << 16
     values = extremes.view(torch.float32).to(_ACC)
@@ -85,7 +100,7 @@ def output_stats(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values = torch.where(bad, marks, values)
     zero = t.numel() - count(bits)
     return torch.cat([values, counts[:1], torch.stack([zero.to(_ACC), over.to(_ACC)]),
-                      counts[1:2], has_nan.to(_ACC).reshape(1)]), hist
+                      counts[1:2], mask_count.reshape(1), has_nan.to(_ACC).reshape(1)]), hist
 
 
 def has_nan(t: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .report import AuditReport, OpRecord
 
-__all__ = ["summarize", "render"]
+__all__ = ["summarize", "render", "risk_rows"]
 
 _LOW = ("float16", "bfloat16")
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
@@ -33,10 +33,11 @@ def summarize(report: "AuditReport") -> dict[str, Any]:
             casts["count"] += r.count
             casts["bytes"] += r.cast_bytes
     total = sum(flops.values())
-    # Rows that already overflowed fp16 first, then by headroom.
+    # Real risk first: rows that overflowed fp16 (mask sentinels are not counted), then by
+    # headroom; rows of masks after every other row.
     risk = sorted((i for i, r in enumerate(records)
                    if r.headroom_bits is not None or r.fp16_overflow),
-                  key=lambda i: (not records[i].fp16_overflow,
+                  key=lambda i: (records[i].is_mask, not records[i].fp16_overflow,
                                  records[i].headroom_bits or 0.0, i))[:_TOP_RISK]
     return {
         "ops": sum(r.count for r in records),
@@ -46,6 +47,7 @@ def summarize(report: "AuditReport") -> dict[str, Any]:
                   else None},
         "casts": casts,
         "nonfinite_producers": [i for i, r in enumerate(records) if r.produced_nonfinite],
+        "masks": [i for i, r in enumerate(records) if r.is_mask],
         "top_overflow_risk": [{"record": i, "headroom_bits": records[i].headroom_bits,
                                "fp16_overflow": records[i].fp16_overflow} for i in risk],
     }
@@ -131,14 +133,14 @@ def render(report: "AuditReport", max_rows: int) -> str:
                      + tabulate.tabulate(rows, headers=["#", "phase", "op", "node/module",
                                                         "grad_fn", "nonfinite"]))
 
-    if s["top_overflow_risk"]:
-        rows = []
-        for item in s["top_overflow_risk"]:
-            r = records[item["record"]]
-            bits = item["headroom_bits"]
-            room = f"overflowed ({r.fp16_overflow})" if r.fp16_overflow else f"{bits:.1f}"
-            rows.append([item["record"], r.phase, r.label, _where(r), _short(r.out_dtype),
-                         _fmt(r.max_abs), room])
+    if s["masks"]:
+        masks = [records[i] for i in s["masks"]]
+        parts.append(f"masking, not overflow: {len(masks)} ops wrote or carried mask values "
+                     "(±finfo(dtype).max, or an inf filled on purpose):\n  "
+                     + ", ".join(f"{r.op} at {_where(r) or '?'}" for r in masks[:6])
+                     + (", ..." if len(masks) > 6 else ""))
+    rows = risk_rows(report, s)
+    if rows:
         parts.append(tabulate.tabulate(rows, headers=["#", "phase", "op", "node/module", "dtype",
                                                       "max finite |x|", "fp16 headroom (bits)"],
                                        colalign=("right", "left", "left", "left", "left",
@@ -149,6 +151,21 @@ def render(report: "AuditReport", max_rows: int) -> str:
         parts.append("gradient magnitudes (backward op outputs)\n"
                      + report.grad_histogram.table())
     return "\n\n".join(parts)
+
+
+def risk_rows(report: "AuditReport", s: dict[str, Any] | None = None) -> list[list[Any]]:
+    """The rows closest to fp16 overflow, real risk first (masks last), as table cells."""
+    s = summarize(report) if s is None else s
+    rows = []
+    for item in s["top_overflow_risk"]:
+        r = report.records[item["record"]]
+        bits = item["headroom_bits"]
+        room = f"overflowed ({r.fp16_overflow})" if r.fp16_overflow else f"{bits:.1f}"
+        if r.is_mask:
+            room += f" (mask: {r.mask_values} sentinel values)"
+        rows.append([item["record"], r.phase, r.label, _where(r), _short(r.out_dtype),
+                     _fmt(r.max_abs), room])
+    return rows
 
 
 def _ops_table(report: "AuditReport", max_rows: int, tabulate: Any) -> str:

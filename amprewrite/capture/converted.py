@@ -17,10 +17,13 @@ from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
 from ..runtime.weight_table import ungather_weights
 from .symbolic import unshare_leaf_modules
 
-__all__ = ["CONVERTED_KEY", "is_converted", "capture_converted"]
+__all__ = ["CONVERTED_KEY", "MODEL_KEY", "is_converted", "capture_converted"]
 
 CONVERTED_KEY = "amprewrite_policy"
 """``gm.meta[CONVERTED_KEY]``: set on every GraphModule that ``convert`` returns."""
+
+MODEL_KEY = "amprewrite_model"
+"""``gm.meta[MODEL_KEY]``: the class name of the model ``convert`` was given (summaries)."""
 
 
 def is_converted(model: nn.Module) -> bool:

@@ -5,10 +5,15 @@
     python -m amprewrite demo                              # a small transformer, end to end
     python -m amprewrite explain pkg.module:factory        # your model: graph + decisions
     python -m amprewrite audit pkg.module:factory          # your model: one training step
+    python -m amprewrite demo --html report.html           # the same as one HTML page
     python -m amprewrite compare|search|memory pkg.module:factory   # see _cli_precision
 
 A factory is a function of no arguments returning ``(model, example_inputs)`` (a module and a
-tuple of positional inputs), or ``(model, example_inputs, example_kwargs)``. Targets may also
+tuple of positional inputs), or ``(model, example_inputs, example_kwargs)``. Each of the three
+prints a summary first (model, hardware, policy, ops per precision, casts against
+``torch.autocast``'s); ``--all-nodes`` lists every node's decision, not only float compute,
+``--casts-only`` prints only the cast lines of ``gm.code`` (and their neighbours), ``--html
+PATH`` also writes one self-contained HTML report. Targets may also
 be files: ``path/to/file.py:factory``. Errors in the target or in what the factory returns are
 reported on one line (exit status 2); a model that cannot be converted exits with status 1.
 """
@@ -54,11 +59,20 @@ def _parser() -> argparse.ArgumentParser:
                         help="export (default), symbolic, or compile (the torch.compile "
                              "backend, for models with graph breaks)")
     common.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    sub.add_parser("demo", parents=[common],
+    view = argparse.ArgumentParser(add_help=False)
+    view.add_argument("--html", metavar="PATH",
+                      help="also write a self-contained HTML report to PATH")
+    code = argparse.ArgumentParser(add_help=False)
+    code.add_argument("--all-nodes", action="store_true",
+                      help="list every node's decision, not only the ops on floating tensors")
+    code.add_argument("--casts-only", action="store_true",
+                      help="print only the cast lines of gm.code and their neighbours")
+    sub.add_parser("demo", parents=[common, view, code],
                    help="convert a small transformer; print its graph, decisions and audit")
-    for name, text in (("explain", "print the rewritten graph and every decision"),
-                       ("audit", "audit the dtypes and ranges of one training step")):
-        cmd = sub.add_parser(name, parents=[common], help=text)
+    for name, text, parents in (
+            ("explain", "print the rewritten graph and every decision", [common, view, code]),
+            ("audit", "audit the dtypes and ranges of one training step", [common, view])):
+        cmd = sub.add_parser(name, parents=parents, help=text)
         cmd.add_argument("target", help="pkg.module:factory or path/to/file.py:factory; "
                                         "the factory returns (model, example_inputs)")
     add_precision_commands(sub, common)
@@ -175,8 +189,8 @@ def _describe(value: Any) -> str:
 
 
 def _convert(args: argparse.Namespace, model: nn.Module, inputs: tuple,
-             kwargs: dict) -> tuple[Any, str, Callable[[], Any]]:
-    """(what explain() takes, the rewritten code, a call of the converted model)."""
+             kwargs: dict) -> tuple[Any, list[Any], Callable[[], Any]]:
+    """(what explain() takes, its converted graphs, a call of the converted model)."""
     from ..compile_backend import compile as amp_compile
     from ..convert import convert
 
@@ -185,16 +199,17 @@ def _convert(args: argparse.Namespace, model: nn.Module, inputs: tuple,
     if args.capture == "compile":
         compiled = amp_compile(model, policy=policy, dtype=dtype, eager=True)
         compiled(*inputs, **kwargs)  # graphs are captured on the first call
-        graphs = compiled.amprewrite_backend.graphs
-        code = "\n".join(f"# graph {i}{gm.code}" for i, gm in enumerate(graphs))
-        return compiled, code, lambda: compiled(*inputs, **kwargs)
+        return compiled, list(compiled.amprewrite_backend.graphs), \
+            lambda: compiled(*inputs, **kwargs)
     gm = convert(model, inputs, example_kwargs=kwargs or None, policy=policy, dtype=dtype,
                  capture=args.capture)
-    return gm, gm.code.strip("\n"), lambda: gm(*inputs, **kwargs)
+    return gm, [gm], lambda: gm(*inputs, **kwargs)
 
 
 def _run(args: argparse.Namespace, model: nn.Module, inputs: tuple, kwargs: dict) -> Any:
-    from ..explain import explain, explain_records
+    from ..code_view import marked_code
+    from ..explain import decision_tables, explain_records
+    from ..summary import count_forward_casts, graph_facts
 
     if args.command in PRECISION_COMMANDS:
         return run_precision_command(args, model, inputs, kwargs)
@@ -206,32 +221,66 @@ def _run(args: argparse.Namespace, model: nn.Module, inputs: tuple, kwargs: dict
                        "symbolic, or 'explain --capture compile' for the decisions")
     # NB: a failed torch.export prints its partial graph; our error message says what matters.
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        converted, code, call = _convert(args, model, inputs, kwargs)
-    out: dict[str, Any] = {}
-    if args.command in ("demo", "explain"):
-        out["code"] = code
-        out["explain"] = explain_records(converted) if args.json else explain(converted)
-    else:
-        out["summary"] = [r["summary"] for r in explain_records(converted)]
-    if args.command in ("demo", "audit"):
-        loss_fn = _demo_loss if args.command == "demo" else _generic_loss
-        out["audit"] = _audit_step(model, call, loss_fn, as_dict=args.json,
-                                   max_rows=15 if args.command == "demo" else 40)
+        converted, graphs, call = _convert(args, model, inputs, kwargs)
+    dtype = DTYPES[args.dtype]
+    all_nodes = getattr(args, "all_nodes", False)
+    casts = count_forward_casts(model, call, inputs, kwargs, dtype)
+    facts = [graph_facts(gm) for gm in graphs]
+    summary: dict[str, Any] = {"graphs": facts, "forward_casts": casts}
+    loss_fn = _demo_loss if args.command == "demo" else _generic_loss
     if args.command == "demo":
-        out["accuracy"] = _accuracy(model, inputs, converted, call, DTYPES[args.dtype])
-    return out if args.json else _text(out)
+        from .measure import side_by_side
+
+        summary["vs_autocast"] = side_by_side(model, converted, inputs, call, loss_fn, dtype)
+    out: dict[str, Any] = {"summary": summary}
+    if args.command in ("demo", "explain"):
+        out["code"] = "\n".join(
+            (f"# graph {i}\n" if len(graphs) > 1 else "")
+            + marked_code(gm, casts_only=getattr(args, "casts_only", False))
+            for i, gm in enumerate(graphs))
+        out["explain"] = explain_records(converted) if args.json else \
+            decision_tables(converted, all_nodes=all_nodes)
+    report = None
+    if args.command in ("demo", "audit"):
+        report = _audit_step(model, call, loss_fn)
+        if report is None:
+            out["audit"] = "(auditor unavailable: needs tabulate)"
+        else:
+            out["audit"] = report.to_dict() if args.json else \
+                report.table(max_rows=15 if args.command == "demo" else 40)
+    if args.html:
+        from ..htmlreport import html_report
+
+        html_report(converted, audit_report=report, path=args.html,
+                    notes=_summary_text(summary, len(graphs) > 1).splitlines())
+    if args.json:
+        return out
+    out["summary"] = _summary_text(summary, len(graphs) > 1)
+    return _text(out)
+
+
+def _summary_text(summary: dict[str, Any], several: bool) -> str:
+    from ..summary import summary_lines
+    from .measure import measurement_lines
+
+    lines = []
+    for i, facts in enumerate(summary["graphs"]):
+        lines += ([f"graph {i}:"] if several else []) + summary_lines(
+            facts, None if several else summary["forward_casts"])
+    if several:
+        casts = summary["forward_casts"]
+        lines.append(f"one forward runs {casts['converted']} cast kernels, torch.autocast "
+                     f"{casts['autocast']}")
+    if "vs_autocast" in summary:
+        lines += measurement_lines(summary["vs_autocast"])
+    return "\n".join(lines)
 
 
 def _text(out: dict[str, Any]) -> str:
-    titles = {"code": "rewritten graph (gm.code)", "explain": "decisions (amprewrite.explain)",
-              "summary": "decisions", "audit": "one training step (amprewrite.audit)",
-              "accuracy": "accuracy vs fp32"}
-    parts = []
-    for key, value in out.items():
-        if key == "summary":
-            value = "\n".join(json.dumps(s) for s in value)
-        parts.append(f"== {titles[key]} ==\n{value}")
-    return "\n\n".join(parts)
+    titles = {"summary": "summary", "code": "rewritten graph (gm.code; # cast marks casts)",
+              "explain": "decisions on floating tensors (amprewrite.explain)",
+              "audit": "one training step (amprewrite.audit)"}
+    return "\n\n".join(f"== {titles[key]} ==\n{value}" for key, value in out.items())
 
 
 def _demo_loss(out: torch.Tensor) -> torch.Tensor:
@@ -251,14 +300,15 @@ def _generic_loss(out: Any) -> torch.Tensor:
 
 
 def _audit_step(model: nn.Module, call: Callable[[], Any],
-                loss_fn: Callable[[Any], torch.Tensor], as_dict: bool,
-                max_rows: int = 40) -> Any:
+                loss_fn: Callable[[Any], torch.Tensor]) -> Any:
     """Forward and backward of one training step under ``amprewrite.audit()``, then an SGD
-    step. Degrades to a note when the auditor is not available."""
+    step; the report, or None when the auditor is not available."""
     try:
+        import tabulate  # noqa: F401 -- the report's tables need it
+
         from ..audit.report import audit
-    except ImportError as exc:
-        return {"unavailable": str(exc)} if as_dict else f"(auditor unavailable: {exc})"
+    except ImportError:
+        return None
     params = [p for p in model.parameters() if p.requires_grad]
     with audit() as report:
         loss = loss_fn(call())
@@ -266,17 +316,4 @@ def _audit_step(model: nn.Module, call: Callable[[], Any],
             loss.backward()
     if params:
         torch.optim.SGD(params, lr=1e-3).step()
-    return report.to_dict() if as_dict else report.table(max_rows=max_rows)
-
-
-def _accuracy(model: nn.Module, inputs: tuple, converted: Any, call: Callable[[], Any],
-              dtype: torch.dtype) -> Any:
-    with torch.no_grad():
-        fp32 = model(*inputs)
-        with torch.autocast("cpu", dtype=dtype):
-            autocast = model(*inputs)
-        ours = call()
-    err = (ours.float() - fp32).abs().max().item()
-    err_autocast = (autocast.float() - fp32).abs().max().item()
-    return (f"max |logits - fp32 logits|: amprewrite {err:.3g}, torch.autocast('cpu') "
-            f"{err_autocast:.3g}")
+    return report

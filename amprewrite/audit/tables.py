@@ -6,10 +6,9 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .report import AuditReport, OpRecord
+from .records import OpRecord, ReportView
 
 __all__ = ["summarize", "render", "risk_rows"]
 
@@ -18,7 +17,7 @@ _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f6
 _TOP_RISK = 5
 
 
-def summarize(report: "AuditReport") -> dict[str, Any]:
+def summarize(report: ReportView) -> dict[str, Any]:
     """Plain numbers: ops per dtype and phase, matmul/conv FLOPs per dtype, casts,
     non-finite producers (record indices) and the records closest to fp16 overflow."""
     records = report.records
@@ -53,7 +52,7 @@ def summarize(report: "AuditReport") -> dict[str, Any]:
     }
 
 
-def _compute_dtype(r: "OpRecord") -> str:
+def _compute_dtype(r: OpRecord) -> str:
     # A matmul computes in its floating input dtype (the output may differ: dtype= args).
     for d in r.in_dtypes:
         if d in _SHORT:
@@ -70,13 +69,13 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
-def _where(r: "OpRecord") -> str:
+def _where(r: OpRecord) -> str:
     if r.node is not None:
         return r.node
     return "" if r.module is None else (r.module or "(root)")
 
 
-def _row(i: int, r: "OpRecord", aggregate: bool) -> list[Any]:
+def _row(i: int, r: OpRecord, aggregate: bool) -> list[Any]:
     row = [i, r.phase[:3], r.label, _where(r), r.module if r.node is not None else "",
            ",".join(map(_short, r.in_dtypes)), _short(r.out_dtype),
            "x".join(map(str, r.shape)) or "()",
@@ -96,7 +95,7 @@ def _bytes(n: int) -> str:
     return str(n)
 
 
-def render(report: "AuditReport", max_rows: int) -> str:
+def render(report: ReportView, max_rows: int) -> str:
     import tabulate
 
     tabulate.PRESERVE_WHITESPACE = True
@@ -153,7 +152,7 @@ def render(report: "AuditReport", max_rows: int) -> str:
     return "\n\n".join(parts)
 
 
-def risk_rows(report: "AuditReport", s: dict[str, Any] | None = None) -> list[list[Any]]:
+def risk_rows(report: ReportView, s: dict[str, Any] | None = None) -> list[list[Any]]:
     """The rows closest to fp16 overflow, real risk first (masks last), as table cells."""
     s = summarize(report) if s is None else s
     rows = []
@@ -168,7 +167,7 @@ def risk_rows(report: "AuditReport", s: dict[str, Any] | None = None) -> list[li
     return rows
 
 
-def _ops_table(report: "AuditReport", max_rows: int, tabulate: Any) -> str:
+def _ops_table(report: ReportView, max_rows: int, tabulate: Any) -> str:
     records = report.records
     index = list(range(len(records)))
     if len(index) > max_rows:

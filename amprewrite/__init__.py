@@ -2,7 +2,7 @@
 
 ``convert`` captures a model, decides per op which precision it computes in, and returns a
 GraphModule whose ``.code`` shows every cast. The names below are the whole public surface;
-each is documented in the README. The folders name the concepts: ``capture/`` (model to
+each is documented in docs/. The folders name the concepts: ``capture/`` (model to
 graph), ``policy/`` (which op runs in which precision), ``passes/`` (the graph rewrite),
 ``runtime/`` (what converted graphs call), ``graph/`` (node facts shared by the passes),
 ``audit/`` (what ran, in which dtype), ``training/`` (master weights, loss scaling, memory),

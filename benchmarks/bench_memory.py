@@ -73,7 +73,7 @@ def _update(table: str) -> None:
         "```", table, "```",
         "",
         "How to read it (why O1 saves fewer activation bytes than torch.autocast, and why O2 "
-        "holds more than O1): README.md, section \"Memory: what AMP buys\"."]
+        "holds more than O1): docs/precision-tools.md, section \"Memory: what AMP buys\"."]
     write_markdown(pathlib.Path(__file__).resolve().parent.parent / "BENCHMARKS.md", "memory",
                    block)
 

@@ -1,7 +1,7 @@
 """Runs of ``amprewrite.search`` against a plain bisection without the shadow run's ranking.
 
 Each run is one conversion plus one forward, so the run count is what the search costs. Two
-models in fp16: the README's (a Linear whose outputs overflow fp16, and a mean the policy
+models in fp16: the guide's (a Linear whose outputs overflow fp16, and a mean the policy
 forces into fp16) and a 2-layer HuggingFace Llama (random weights, nothing downloaded) whose
 layer-1 ``up_proj`` weight is scaled by 3e5, so its activations overflow fp16.
 
@@ -34,7 +34,7 @@ class ReadmeModel(nn.Module):
 
 
 def readme_case() -> tuple[str, nn.Module, tuple, Policy, float]:
-    torch.manual_seed(0)  # the README's order: the model, then the inputs
+    torch.manual_seed(0)  # the guide's order: the model, then the inputs
     model, x, y = ReadmeModel(), torch.randn(4, 16), torch.randn(4, 1024)
     y = y - y.mean(-1, keepdim=True) + 2.5e-4
     policy = Policy().override(ops={"mean": OpCategory.LOWER})

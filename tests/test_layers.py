@@ -1,6 +1,6 @@
 """The package's architecture, checked: lower layers never import higher ones, no import cycles.
 
-Layers, lowest first (the README's "How it works" shows the same map)::
+Layers, lowest first (docs/how-it-works.md shows the same map)::
 
     errors, hardware,    no imports from the package (versions: the tested torch range;
     versions, cast_count cast_count: the cast kernels a run makes)

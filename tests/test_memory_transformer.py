@@ -1,8 +1,8 @@
 """compare_memory on a small HuggingFace transformer (tiny Llama, AdamW, its own loss).
 
 The relations asserted are the ones mixed precision must give whatever the model; the one
-measured bound (O1's saved activations against torch.autocast's) is explained in README.md,
-"Memory: what AMP buys".
+measured bound (O1's saved activations against torch.autocast's) is explained in
+docs/precision-tools.md, "Memory: what AMP buys".
 """
 
 from __future__ import annotations

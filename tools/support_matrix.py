@@ -3,13 +3,13 @@
     python tools/support_matrix.py                          # every architecture and capability
     python tools/support_matrix.py --only llama,bert --capabilities default,compile
     python tools/support_matrix.py --json results.json     # also dump the raw results
-    python tools/support_matrix.py --update-readme          # rewrite README.md's matrix block
+    python tools/support_matrix.py --update-docs            # rewrite docs/models.md's matrix block
 
 Runs the checks of ``tests/models/_hf_checks.py`` (the ones ``tests/models/test_hf_zoo.py``
 runs) on the zoo of ``tests/models/_hf_zoo.py``, all in this process, and catches every
 failure. Each cell is "yes" or "no" with a footnote: the first line of the error, or the
-``KNOWN_GAPS`` reason. ``--update-readme`` replaces what lies between
-``<!-- support-matrix:begin -->`` and ``<!-- support-matrix:end -->`` in README.md.
+``KNOWN_GAPS`` reason. ``--update-docs`` replaces what lies between
+``<!-- support-matrix:begin -->`` and ``<!-- support-matrix:end -->`` in docs/models.md.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def update_readme(path: pathlib.Path, block: str) -> None:
     if BEGIN not in text or END not in text or text.index(BEGIN) > text.index(END):
         raise SystemExit(
             f"{path}: no support-matrix block to replace. Add the two lines\n  {BEGIN}\n  {END}\n"
-            "where the matrix should go, then run --update-readme again.")
+            "where the matrix should go, then run --update-docs again.")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     path.write_text(f"{head}{BEGIN}\n{block}\n{END}{tail}")
@@ -151,8 +151,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--capabilities",
                         help=f"comma-separated capabilities (default: {','.join(CAPABILITIES)})")
     parser.add_argument("--json", type=pathlib.Path, help="write the raw results here")
-    parser.add_argument("--update-readme", action="store_true",
-                        help=f"replace the block between {BEGIN} and {END} in README.md")
+    parser.add_argument("--update-docs", "--update-readme", dest="update_docs",
+                        action="store_true",
+                        help=f"replace the block between {BEGIN} and {END} in docs/models.md")
     args = parser.parse_args(argv)
     archs = [zoo_arch(n) for n in _names(args.only, [a.name for a in ZOO], "architectures")]
     capabilities = _names(args.capabilities, CAPABILITIES, "capabilities")
@@ -170,8 +171,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             "known_gaps": [[a, c, reason] for (a, c), reason in KNOWN_GAPS.items()],
             "results": [dataclasses.asdict(r) for r in results]}
         args.json.write_text(json.dumps(payload, indent=1) + "\n")
-    if args.update_readme:
-        update_readme(ROOT / "README.md", block)
+    if args.update_docs:
+        update_readme(ROOT / "docs" / "models.md", block)
 
 
 if __name__ == "__main__":

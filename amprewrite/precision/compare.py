@@ -6,7 +6,7 @@ output, the error it *adds* (its own casts and arithmetic, on exact inputs) and 
 *inherits* (from upstream), the largest ``|x|`` of its output and the headroom that leaves in
 fp16/bf16. With ``backward=True``, the relative error of every parameter's gradient, too.
 
-The README's example, fp16: ``Linear(16, 16)`` with outputs of ~1e5, a LayerNorm, a Linear,
+The docs' example (docs/precision-tools.md), fp16: ``Linear(16, 16)`` with outputs of ~1e5, a LayerNorm, a Linear,
 plus the mean of large values that cancel, which the policy forces into fp16::
 
     >>> print(amprewrite.compare(gm, model, (x, y)).table())

@@ -1,0 +1,131 @@
+"""The docs cannot drift from the code: every ```python block of README.md and docs/*.md runs,
+page by page, and every relative link points to a file (and heading) that exists.
+
+Each page's Python blocks run in order in one fresh namespace, in a temporary working
+directory, so a later block may use what an earlier one of the same page defined. A block that
+cannot run here (a distributed launch, say) is preceded by the line ``<!-- no-run -->`` and is
+only compiled; output and shell blocks are fenced ```text / ```bash and not run.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+NO_RUN = "<!-- no-run -->"
+_FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)")
+_LINK = re.compile(r"(?<!!)\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def _blocks(path: Path) -> list[tuple[int, str, str, bool]]:
+    """(line, language, code, no_run) of every fenced block of ``path``."""
+    lines = path.read_text().split("\n")
+    blocks: list[tuple[int, str, str, bool]] = []
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        fence, lang, start = m.group(2), m.group(3).lower(), i
+        previous = next((x.strip() for x in reversed(lines[:i]) if x.strip()), "")
+        i += 1
+        body: list[str] = []
+        while i < len(lines) and not lines[i].strip().startswith(fence):
+            body.append(lines[i])
+            i += 1
+        blocks.append((start + 1, lang, "\n".join(body) + "\n", previous == NO_RUN))
+        i += 1
+    return blocks
+
+
+def _python_pages() -> list[Path]:
+    return [p for p in PAGES if any(lang == "python" for _, lang, _, _ in _blocks(p))]
+
+
+def _name(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+@pytest.mark.parametrize("page", _python_pages(), ids=_name)
+def test_python_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, object] = {"__name__": "__docs__"}
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the docs show what a call returns, not its notices
+        for line, lang, code, no_run in _blocks(page):
+            if lang != "python":
+                continue
+            compiled = compile(code, f"{_name(page)}:{line}", "exec")
+            if not no_run:
+                exec(compiled, namespace)
+
+
+def test_no_run_marks_are_few_and_on_python_blocks() -> None:
+    marked = [(p, line) for p in PAGES for line, lang, _, no_run in _blocks(p) if no_run]
+    wrong = [f"{_name(p)}:{line}" for p, line in marked
+             if next(b for b in _blocks(p) if b[0] == line)[1] != "python"]
+    assert not wrong, f"{NO_RUN} marks a block that is not ```python: {wrong}"
+    assert len(marked) <= 6, f"{len(marked)} blocks are not run: {marked}"
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as a Git host renders it: lower case, punctuation dropped, spaces
+    to hyphens."""
+    text = re.sub(r"[`*_]|<[^>]+>", "", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    anchors: set[str] = set()
+    in_code = False
+    for line in path.read_text().split("\n"):
+        if _FENCE.match(line):
+            in_code = not in_code
+        elif not in_code and line.startswith("#"):
+            slug = _slug(line.lstrip("#"))
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def _links(path: Path) -> list[str]:
+    text, found, in_code = path.read_text(), [], False
+    for line in text.split("\n"):
+        if _FENCE.match(line):
+            in_code = not in_code
+        elif not in_code:
+            found += _LINK.findall(re.sub(r"`[^`]*`", "", line))
+    return found
+
+
+@pytest.mark.parametrize("page", [*PAGES, ROOT / "BENCHMARKS.md"], ids=_name)
+def test_relative_links_resolve(page: Path) -> None:
+    broken = []
+    for target in _links(page):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (page.parent / file).resolve() if file else page
+        if not dest.exists():
+            where = dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest
+            broken.append(f"{target}: no file {where}")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            broken.append(f"{target}: no heading #{anchor} in {_name(dest)}")
+    assert not broken, f"{_name(page)}: " + "; ".join(broken)
+
+
+def test_the_link_checker_sees_links() -> None:
+    """A checker that found no link would pass trivially."""
+    assert "docs/training.md" in _links(ROOT / "README.md")
+    assert "weights-changed-after-conversion" in _anchors(ROOT / "docs" / "training.md")

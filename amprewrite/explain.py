@@ -26,7 +26,7 @@ import torch.fx as fx
 from .capture.guards import is_input_guards
 from .capture.modes import NOT_CAPTURED_KEY, mode_graphs, mode_name, pending_mode
 from .compile_backend import AmpBackend
-from .graph.meta import META_KEY, cast_info, decision
+from .graph.meta import META_KEY, cast_info, decision, fp8_step
 from .hardware import describe, model_device, slow_reason
 from .policy.tables import OpCategory
 
@@ -40,7 +40,8 @@ def short_dtype(dtype: Any) -> str:
     if not isinstance(dtype, torch.dtype):
         return "-"
     names = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32",
-             torch.float64: "f64", torch.int64: "i64", torch.int32: "i32", torch.bool: "bool"}
+             torch.float64: "f64", torch.int64: "i64", torch.int32: "i32", torch.bool: "bool",
+             torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
     return names.get(dtype, str(dtype).replace("torch.", ""))
 
 
@@ -70,7 +71,23 @@ def _graphs(target: Any) -> list[tuple[str, fx.GraphModule]]:
     return [("", target)]
 
 
+def _fp8_row(node: fx.Node) -> dict[str, Any] | None:
+    """The row of an fp8 linear: its scaled matmul, fed by the quantize nodes."""
+    step = fp8_step(node)
+    if step is None or step.role != "matmul":
+        return None
+    val = node.meta.get("val")
+    return {"node": node.name, "op": "linear", "category": "fp8", "dtype": "e4m3",
+            "out": short_dtype(val.dtype) if isinstance(val, torch.Tensor) else "-",
+            "rule": step.rule, "casts": [a.name for a in node.all_input_nodes
+                                         if (q := fp8_step(a)) is not None
+                                         and q.role == "quantize"],
+            "guarded": False}
+
+
 def _row(node: fx.Node) -> dict[str, Any] | None:
+    if fp8_step(node) is not None:
+        return _fp8_row(node)
     rec = decision(node)
     # torch.export's shape-guard call is bookkeeping, not an op of the model.
     if rec is None or is_input_guards(node):

@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .fp8 import Fp8Recorder, is_scaled_mm
 from .grad_hist import accumulate
 from .stats import STAT_DTYPE, has_nan, output_stats
 from .where import Attribution
@@ -105,6 +106,8 @@ class Recorder:
         """One line per op call that could not be recorded (the user's step went on)."""
         self.grad_hist: dict[torch.device, torch.Tensor] = {}
         self.grad_max: dict[torch.device, torch.Tensor] = {}
+        self.fp8 = Fp8Recorder()
+        """Scales, amax and saturation of the fp8 matmuls (``_scaled_mm``)."""
 
     # -- per op --------------------------------------------------------------------------
     def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
@@ -134,6 +137,8 @@ class Recorder:
         meta = CallMeta(op, ctx.node, ctx.module, phase,
                         tuple(dtype_name(t.dtype) for t in inputs), dtype_name(first.dtype),
                         tuple(first.shape), cast, grad_name)
+        if is_scaled_mm(func):
+            self.fp8.record(meta, args, kwargs)
         # Inputs first: an in-place op's output is its input, whose old statistics count.
         in_entries = [self._input_entry(t, outs) for t in inputs]
         if func._overloadpacket in _UNINITIALIZED:

@@ -106,7 +106,7 @@ def _row(node: fx.Node) -> dict[str, Any] | None:
         "dtype": short_dtype(rec.compute_dtype),
         "out": short_dtype(val.dtype) if isinstance(val, torch.Tensor) else
         ("?" if "val" not in node.meta else "-"),
-        "rule": rec.rule,
+        "rule": f"{rec.rule}; {rec.fp8}" if rec.fp8 else rec.rule,
         "casts": casts,
         "guarded": rec.guarded,
     }

@@ -41,6 +41,9 @@ class Decision:
     """Names of the cast nodes feeding this node (filled in by InsertCastsPass)."""
     guarded: bool = False
     """True when dtypes were unknown and the casts check their input at run time."""
+    fp8: str = ""
+    """Under ``Policy.fp8``, why a linear stays in the low dtype (``"fp8 skipped: last
+    linear"``); ``explain`` appends it to the rule."""
 
 
 @dataclasses.dataclass(frozen=True)

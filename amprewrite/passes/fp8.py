@@ -11,8 +11,8 @@ the bf16 cast read (one rounding, not two), and one quantisation of a value is s
 every linear that reads it (q, k and v projections). The bf16 casts nobody reads any more
 are left to :class:`EliminateCastsPass` (dead casts).
 
-Linears the rules skip keep their bf16 decision, its rule extended with the reason
-(``"default table; fp8 skipped: last linear"``), which ``explain()`` prints.
+Linears the rules skip keep their bf16 decision, with the reason in its ``fp8`` field
+(``"fp8 skipped: last linear"``), which ``explain()`` appends to the rule.
 
 Before (``Policy.fp8()``'s bf16 rules; export capture)::
 
@@ -59,10 +59,6 @@ from ..runtime import fp8 as rt
 
 __all__ = ["Fp8LinearPass"]
 
-_MARK = "fp8"
-"""A skipped linear's rule contains this word once the pass has judged it."""
-
-
 class Fp8LinearPass(PassBase):
     """Replace the fp8-eligible ``linear`` nodes with explicit fp8 steps (see module doc)."""
 
@@ -81,7 +77,7 @@ class Fp8LinearPass(PassBase):
         for i, node in enumerate(linears):
             rec = decision(node)
             assert rec is not None
-            if rec.category is not OpCategory.LOWER or _MARK in rec.rule:
+            if rec.category is not OpCategory.LOWER or rec.fp8:
                 continue
             position = "first" if i == 0 else "last" if i == len(linears) - 1 else None
             weight = self._weight(node)
@@ -93,7 +89,7 @@ class Fp8LinearPass(PassBase):
             if ok:
                 self._rewrite(node, weight, why)  # type: ignore[arg-type]
             else:
-                node.meta[META_KEY] = dataclasses.replace(rec, rule=f"{rec.rule}; {why}")
+                node.meta[META_KEY] = dataclasses.replace(rec, fp8=why)
             modified = True
         return PassResult(gm, modified)
 

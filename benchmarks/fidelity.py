@@ -48,7 +48,7 @@ BF16_VARIANT = "O1 bf16"
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    steps: int = 300
+    steps: int = 200
     batch: int = 8
     seq: int = 32
     vocab: int = 64
@@ -146,8 +146,11 @@ def _autocast(model: nn.Module) -> Setup:
     return Setup(forward, model.parameters())
 
 
-def variants(cfg: Config, with_torchao: bool) -> dict[str, Callable[[nn.Module, torch.Tensor], Setup]]:
-    out: dict[str, Callable[[nn.Module, torch.Tensor], Setup]] = {
+Make = Callable[[nn.Module, torch.Tensor], Setup]
+
+
+def variants(cfg: Config, with_torchao: bool) -> dict[str, Make]:
+    out: dict[str, Make] = {
         "fp32": lambda m, ids: Setup(lambda x: logits_of(m(x)), m.parameters()),
         "autocast bf16": lambda m, ids: _autocast(m),
         BF16_VARIANT: lambda m, ids: _convert(m, ids),
@@ -164,7 +167,7 @@ def variants(cfg: Config, with_torchao: bool) -> dict[str, Callable[[nn.Module, 
     return out
 
 
-def train(name: str, make: Callable[[nn.Module, torch.Tensor], Setup], cfg: Config,
+def train(name: str, make: Make, cfg: Config,
           data: torch.Tensor, base: nn.Module) -> Result:
     model = copy.deepcopy(base)
     setup = make(model, data[0, :, :-1])
@@ -202,11 +205,16 @@ def run(cfg: Config, only: list[str] | None = None, with_torchao: bool | None = 
     data = batches(cfg)
     base = make_model(cfg)
     results = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # bf16 emulation on this CPU, torchao's kernel notice
-        for name, make in variants(cfg, with_torchao).items():
-            if only is None or name in only:
-                results[name] = train(name, make, cfg, data, base)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: more threads only add contention
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # bf16 emulation on this CPU; torchao's notice
+            for name, make in variants(cfg, with_torchao).items():
+                if only is None or name in only:
+                    results[name] = train(name, make, cfg, data, base)
+    finally:
+        torch.set_num_threads(threads)
     return results
 
 
@@ -299,9 +307,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-torchao", action="store_true")
     args = parser.parse_args(argv)
     cfg = Config(steps=args.steps)
-    torch.set_num_threads(1)  # tiny matmuls: threads only add contention
     print(f"torch {torch.__version__}, cpu capability "
-          f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")
+          f"{torch.backends.cpu.get_cpu_capability()}, 1 thread")
     print(f"tiny Llama: hidden {cfg.hidden}, {cfg.layers} layers, vocab {cfg.vocab}, "
           f"seq {cfg.seq}, batch {cfg.batch}, {cfg.steps} steps, AdamW lr {cfg.lr}; final "
           f"loss = mean of the last {cfg.tail} steps")

@@ -189,8 +189,9 @@ class Policy:
                                 "Fp8Rules; "
                                 "build the policy with Policy.fp8(...)")
             if self.dtype is not torch.bfloat16:
-                raise ValueError(f"Policy(fp8_rules=..., dtype={self.dtype}): fp8 matmuls write bf16 "
-                                 "and everything else runs as under the bf16 policy; use "
+                raise ValueError(f"Policy(fp8_rules=..., dtype={self.dtype}): fp8 matmuls "
+                                 "write bf16 and everything else runs as under the bf16 "
+                                 "policy; use "
                                  "Policy.fp8(...), whose dtype is torch.bfloat16")
         bits = self.range_headroom_bits
         if isinstance(bits, bool) or not isinstance(bits, int) or not 0 <= bits <= 15:
@@ -286,7 +287,8 @@ class Policy:
     def describe(self) -> str:
         name = {"default": "default (CUDA AMP rules)", "O2": "opt_level O2",
                 "O3": "opt_level O3"}.get(self.preset, f"autocast({self.preset!r})")
-        return f"{name}, {self.dtype}" + (f", {self.fp8_rules.describe()}" if self.fp8_rules else "")
+        fp8 = f", {self.fp8_rules.describe()}" if self.fp8_rules is not None else ""
+        return f"{name}, {self.dtype}{fp8}"
 
     def summary(self) -> str:
         """The preset and how many overrides refine it: ``"default (CUDA AMP rules) + 2

@@ -10,6 +10,7 @@ graph), ``policy/`` (which op runs in which precision), ``passes/`` (the graph r
 """
 
 from . import versions  # first: a torch outside the tested range warns before anything fails
+from .audit.fp8 import Fp8Record
 from .audit.grad_hist import GradHistogram
 from .audit.lints import Lint, lint
 from .audit.report import AuditReport, OpRecord, audit
@@ -34,7 +35,7 @@ __all__ = [
     # models with graph breaks
     "compile", "backend", "AmpBackend",
     # see what it did
-    "explain", "lint", "Lint", "audit", "AuditReport", "OpRecord", "GradHistogram",
+    "explain", "lint", "Lint", "audit", "AuditReport", "OpRecord", "Fp8Record", "GradHistogram",
     # train
     "MasterWeights", "ScalerMonitor", "StepRecord",
     "memory_report", "compare_memory", "MemoryReport", "MemoryComparison",

@@ -232,3 +232,21 @@ def test_symbolic_capture_without_example_inputs():
         gm = amprewrite.convert(copy.deepcopy(model), policy=amprewrite.Policy.fp8())
     assert gm.code.count("fp8_scaled_mm(") == 2
     assert _rel(gm(_x()), model(_x())) < 5e-2
+
+
+def test_modes_copies_and_pickling():
+    model = _mlp()
+    gm = _fp8(model)
+    x = _x()
+    y = gm(x).detach()
+    gm.eval()
+    assert torch.equal(gm(x), y) and gm.code.count("fp8_scaled_mm(") == 2
+    gm.train()
+    assert torch.equal(copy.deepcopy(gm)(x).detach(), y)
+    buf = io.BytesIO()
+    torch.save(gm, buf)
+    buf.seek(0)
+    assert torch.equal(torch.load(buf, weights_only=False)(x).detach(), y)
+    again = amprewrite.convert(gm, (x,), policy=amprewrite.Policy.fp8())
+    assert again.code.count("fp8_scaled_mm(") == 2
+    assert torch.equal(again(x).detach(), y)

@@ -186,8 +186,12 @@ def test_audit_reports_scales_amax_and_saturation():
     model = _mlp()
     gm = _fp8(model)
     x = _x()
-    with amprewrite.audit() as report:
-        gm(x).float().sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every op recorded
+        with amprewrite.audit() as report:
+            gm(x).float().sum().backward()
+    flops = report.summary()["flops"]["by_dtype"]
+    assert flops["float8_e4m3fn"] > 0 and flops["float8_e5m2"] > 0
     fwd = [r for r in report.fp8 if r.phase == "forward"]
     bwd = [r for r in report.fp8 if r.phase == "backward"]
     assert len(fwd) == 2 and len(bwd) == 4

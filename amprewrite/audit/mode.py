@@ -129,8 +129,10 @@ class Recorder:
             return
         if any(_is_fake(t) for t in outs):
             return
-        floating = [t for t in outs
-                    if t.is_floating_point() and t.numel() and t.layout == torch.strided]
+        # NB: fp8 tensors are scaled to reach their range's edge on purpose: their amax,
+        # saturation and zeros are recorded per fp8 matmul (.fp8), not as fp16 range risks.
+        floating = [t for t in outs if t.is_floating_point() and t.numel()
+                    and t.layout == torch.strided and t.element_size() > 1]
         op = func._overloadpacket.__name__
         first = floating[0] if floating else outs[0]
         cast = ctx.cast_node or (op in ("_to_copy", "to") and converts)
@@ -203,8 +205,9 @@ class Recorder:
             return entry  # modified in place by this very op: its values before the op
         if entry is None or entry[0] != _version(t):
             if t.is_floating_point():
-                count = torch.count_nonzero(t - t).to(_ACC)  # x - x is NaN only for inf/NaN
-                nan = has_nan(t).to(_ACC)
+                v = t if t.element_size() > 1 else t.to(_ACC)  # fp8 has no arithmetic
+                count = torch.count_nonzero(v - v).to(_ACC)  # x - x is NaN only for inf/NaN
+                nan = has_nan(v).to(_ACC)
             elif t.is_complex():
                 count = torch.count_nonzero(t - t).to(_ACC)
                 nan = torch.isnan(t).any().to(_ACC)

@@ -254,3 +254,17 @@ def test_modes_copies_and_pickling():
     again = amprewrite.convert(gm, (x,), policy=amprewrite.Policy.fp8())
     assert again.code.count("fp8_scaled_mm(") == 2
     assert torch.equal(again(x).detach(), y)
+
+
+def fp8_factory() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    return _mlp(), (_x(),)
+
+
+def test_cli_policy_fp8(capsys):
+    from amprewrite.cli.main import main
+
+    assert main(["explain", f"{__file__}:fp8_factory", "--policy", "fp8"]) == 0
+    assert "fp8: e4m3 per-tensor dynamic" in capsys.readouterr().out
+    assert main(["audit", f"{__file__}:fp8_factory", "--policy", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "fp8 matmuls" in out and "float8_e5m2" in out

@@ -49,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="low precision dtype (default: bf16)")
     common.add_argument("--policy", choices=POLICIES, default="default",
                         help="default: CUDA AMP rules on every device; autocast-cpu / "
-                             "autocast-cuda: exactly torch.autocast's lists for that device")
+                             "autocast-cuda: exactly torch.autocast's lists for that device; "
+                             "fp8: bf16 with the linear layers as fp8 matmuls")
     common.add_argument("--capture", choices=CAPTURES, default="export",
                         help="export (default), symbolic, or compile (the torch.compile "
                              "backend, for models with graph breaks)")
@@ -266,7 +267,10 @@ def _audit_step(model: nn.Module, call: Callable[[], Any],
             loss.backward()
     if params:
         torch.optim.SGD(params, lr=1e-3).step()
-    return report.to_dict() if as_dict else report.table(max_rows=max_rows)
+    if as_dict:
+        return report.to_dict()
+    fp8 = report.fp8_table()
+    return report.table(max_rows=max_rows) + (f"\n\nfp8 matmuls\n{fp8}" if fp8 else "")
 
 
 def _accuracy(model: nn.Module, inputs: tuple, converted: Any, call: Callable[[], Any],

@@ -268,3 +268,18 @@ def test_cli_policy_fp8(capsys):
     assert main(["audit", f"{__file__}:fp8_factory", "--policy", "fp8"]) == 0
     out = capsys.readouterr().out
     assert "fp8 matmuls" in out and "float8_e5m2" in out
+
+
+def test_fp8_output_can_be_written_in_place():
+    """The backward node hands the matmul's output itself back (no view), so a model that
+    adds into a linear's output in place still trains."""
+    x = torch.randn(8, 32, requires_grad=True)
+    w = torch.randn(16, 32, requires_grad=True)
+    xs, ws = rt.scale(rt.amax(x), rt.E4M3), rt.scale(rt.amax(w), rt.E4M3)
+    xq, wq = rt.quantize(x, xs, rt.E4M3), rt.quantize(w, ws, rt.E4M3)
+    y = rt.fp8_linear_grad(rt.scaled_mm(xq, wq, xs, ws, torch.bfloat16), x, w, xq, xs, wq, ws)
+    y += 1
+    y.float().sum().backward()
+    ref_x = torch.ones(8, 16) @ w.detach()
+    ref_w = torch.ones(16, 8) @ x.detach()
+    assert _rel(x.grad, ref_x) < 0.1 and _rel(w.grad, ref_w) < 0.1

@@ -92,7 +92,10 @@ class _Fp8LinearGrad(torch.autograd.Function):
                 w_scale: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x_fp8, x_scale, w_fp8, w_scale)
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
-        return out.view_as(out)
+        # NB: "modified in place" hands ``out`` itself back with this node as its grad_fn.
+        # Returned as-is or as a view, the model could not write into it in place.
+        ctx.mark_dirty(out)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:

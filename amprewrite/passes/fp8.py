@@ -180,10 +180,3 @@ class Fp8LinearPass(PassBase):
             except Exception:  # no fake values for this graph: dtypes are not needed here
                 pass
         return node
-
-
-def is_fp8_matmul(node: fx.Node) -> bool:
-    """Whether ``node`` is the scaled matmul of an fp8 linear."""
-    rec = node.meta.get(META_KEY)
-    return isinstance(rec, Fp8Step) and rec.role == "matmul"
-

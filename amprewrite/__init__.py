@@ -11,6 +11,7 @@ self-contained HTML page), ``cli/``.
 """
 
 from . import versions  # first: a torch outside the tested range warns before anything fails
+from .audit.fp8 import Fp8Record
 from .audit.grad_hist import GradHistogram
 from .audit.lints import Lint, lint
 from .audit.report import AuditReport, OpRecord, audit
@@ -36,7 +37,8 @@ __all__ = [
     # models with graph breaks
     "compile", "backend", "AmpBackend",
     # see what it did
-    "explain", "html_report", "lint", "Lint", "audit", "AuditReport", "OpRecord", "GradHistogram",
+    "explain", "html_report", "lint", "Lint", "audit", "AuditReport", "OpRecord", "Fp8Record",
+    "GradHistogram",
     # train
     "MasterWeights", "ScalerMonitor", "StepRecord",
     "memory_report", "compare_memory", "MemoryReport", "MemoryComparison",

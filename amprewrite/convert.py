@@ -77,6 +77,8 @@ def convert(
             is used and activation casts check their input at run time.
         example_kwargs: keyword arguments to go with ``example_inputs``.
         policy: op precision rules; default :class:`Policy()` (CUDA AMP rules everywhere).
+            ``Policy.fp8(...)``: bf16, with the linear layers as fp8 matmuls (e4m3,
+            per-tensor dynamic scales, e5m2 gradients; see :mod:`amprewrite.passes.fp8`).
         dtype: torch.float16 or torch.bfloat16; default fp16 for models on CUDA, else bf16.
         capture: ``"auto"`` (export when example inputs are given, else symbolic),
             ``"symbolic"`` or ``"export"``.
@@ -127,6 +129,9 @@ def convert(
     check_opt_level(opt_level, policy, dtype)
     calibration = check_calibrate(calibrate, model, opt_level)
     low = resolve_dtype(model, policy, dtype)
+    if policy.fp8_rules is not None and low is not torch.bfloat16:
+        raise ValueError(f"amprewrite.convert: dtype={low} was given with Policy.fp8(...), whose "
+                         "fp8 matmuls write bf16 and whose other ops run in bf16. Drop dtype=...")
     if opt_level != "O0":
         warn_if_slow(model_device(model, example_inputs, example_kwargs), low)
     with preserved_global_state():

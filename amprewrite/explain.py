@@ -33,7 +33,7 @@ import torch.fx as fx
 from .capture.guards import is_input_guards
 from .capture.modes import NOT_CAPTURED_KEY, mode_graphs, mode_name, pending_mode
 from .compile_backend import AmpBackend
-from .graph.meta import META_KEY, cast_info, decision
+from .graph.meta import META_KEY, cast_info, decision, fp8_step
 from .graph.queries import module_paths
 from .policy.tables import OpCategory
 from .summary import graph_facts, policy_of, short_dtype, summary_lines
@@ -76,7 +76,30 @@ def converted_graphs(target: Any) -> list[tuple[str, fx.GraphModule]]:
     return [("", target)]
 
 
+def _fp8_row(node: fx.Node) -> dict[str, Any] | None:
+    """The row of an fp8 linear: its scaled matmul, fed by the quantize nodes."""
+    step = fp8_step(node)
+    if step is None or step.role != "matmul":
+        return None
+    val = node.meta.get("val")
+    return {"node": node.name, "op": "linear", "category": "fp8", "dtype": "e4m3",
+            "out": short_dtype(val.dtype) if isinstance(val, torch.Tensor) else "-",
+            "rule": step.rule, "casts": [a.name for a in node.all_input_nodes
+                                         if (q := fp8_step(a)) is not None
+                                         and q.role == "quantize"],
+            "guarded": False, "module": _module_of(node), "float": True}
+
+
+def _module_of(node: fx.Node) -> str:
+    """The innermost module ``node`` ran in (``""`` at top level)."""
+    # torch.export names nodes outside any module after a hook: they are top level
+    paths = [p for p in module_paths(node) if not p.startswith("_empty_nn_module_stack")]
+    return paths[-1] if paths else ""
+
+
 def _row(node: fx.Node) -> dict[str, Any] | None:
+    if fp8_step(node) is not None:
+        return _fp8_row(node)
     rec = decision(node)
     # torch.export's shape-guard call is bookkeeping, not an op of the model.
     if rec is None or is_input_guards(node):
@@ -88,8 +111,6 @@ def _row(node: fx.Node) -> dict[str, Any] | None:
                  if a.op == "call_function" and a.args and isinstance(a.args[0], fx.Node)
                  and cast_info(a.args[0]) is not None and a.args[0].name in rec.casts]
         casts = list(dict.fromkeys(casts))
-    # torch.export names nodes outside any module after a hook: they are top level
-    paths = [p for p in module_paths(node) if not p.startswith("_empty_nn_module_stack")]
     return {
         "node": node.name,
         "op": rec.op,
@@ -97,10 +118,10 @@ def _row(node: fx.Node) -> dict[str, Any] | None:
         "dtype": short_dtype(rec.compute_dtype),
         "out": short_dtype(val.dtype) if isinstance(val, torch.Tensor) else
         ("?" if "val" not in node.meta else "-"),
-        "rule": rec.rule,
+        "rule": f"{rec.rule}; {rec.fp8}" if rec.fp8 else rec.rule,
         "casts": casts,
         "guarded": rec.guarded,
-        "module": paths[-1] if paths else "",
+        "module": _module_of(node),
         "float": _computes_on_floats(rec.op, val, "val" in node.meta),
     }
 

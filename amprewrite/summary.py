@@ -38,7 +38,8 @@ def short_dtype(dtype: Any) -> str:
     if not isinstance(dtype, torch.dtype):
         return "-"
     names = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32",
-             torch.float64: "f64", torch.int64: "i64", torch.int32: "i32", torch.bool: "bool"}
+             torch.float64: "f64", torch.int64: "i64", torch.int32: "i32", torch.bool: "bool",
+             torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
     return names.get(dtype, str(dtype).replace("torch.", ""))
 
 

@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .fp8 import Fp8Recorder, is_scaled_mm
 from .grad_hist import accumulate
 from .stats import STAT_DTYPE, has_nan, output_stats
 from .where import Attribution
@@ -123,6 +124,8 @@ class Recorder:
         """One line per op call that could not be recorded (the user's step went on)."""
         self.grad_hist: dict[torch.device, torch.Tensor] = {}
         self.grad_max: dict[torch.device, torch.Tensor] = {}
+        self.fp8 = Fp8Recorder()
+        """Scales, amax and saturation of the fp8 matmuls (``_scaled_mm``)."""
 
     # -- per op --------------------------------------------------------------------------
     def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
@@ -144,8 +147,10 @@ class Recorder:
             return
         if any(_is_fake(t) for t in outs):
             return
-        floating = [t for t in outs
-                    if t.is_floating_point() and t.numel() and t.layout == torch.strided]
+        # NB: fp8 tensors are scaled to reach their range's edge on purpose: their amax,
+        # saturation and zeros are recorded per fp8 matmul (.fp8), not as fp16 range risks.
+        floating = [t for t in outs if t.is_floating_point() and t.numel()
+                    and t.layout == torch.strided and t.element_size() > 1]
         op = func._overloadpacket.__name__
         first = floating[0] if floating else outs[0]
         cast = ctx.cast_node or (op in ("_to_copy", "to") and converts)
@@ -153,6 +158,8 @@ class Recorder:
         meta = CallMeta(op, ctx.node, ctx.module, phase,
                         tuple(dtype_name(t.dtype) for t in inputs), dtype_name(first.dtype),
                         tuple(first.shape), cast, grad_name, mask_fill)
+        if is_scaled_mm(func):
+            self.fp8.record(meta, args, kwargs)
         # Inputs first: an in-place op's output is its input, whose old statistics count.
         in_entries = [self._input_entry(t, outs) for t in inputs]
         if func._overloadpacket in _UNINITIALIZED:
@@ -218,8 +225,9 @@ class Recorder:
             return entry  # modified in place by this very op: its values before the op
         if entry is None or entry[0] != _version(t):
             if t.is_floating_point():
-                count = torch.count_nonzero(t - t).to(_ACC)  # x - x is NaN only for inf/NaN
-                nan = has_nan(t).to(_ACC)
+                v = t if t.element_size() > 1 else t.to(_ACC)  # fp8 has no arithmetic
+                count = torch.count_nonzero(v - v).to(_ACC)  # x - x is NaN only for inf/NaN
+                nan = has_nan(v).to(_ACC)
             elif t.is_complex():
                 count = torch.count_nonzero(t - t).to(_ACC)
                 nan = torch.isnan(t).any().to(_ACC)

@@ -24,6 +24,7 @@ import dataclasses
 import warnings
 from typing import Any, Iterator
 
+from .fp8 import Fp8Record
 from .grad_hist import GradHistogram
 from .mode import Recorder, _AuditMode
 from .stats import release_scratch
@@ -46,6 +47,9 @@ class AuditReport:
     """The first op (in execution order) with ``produced_nonfinite``."""
     grad_histogram: GradHistogram | None = None
     aggregate: bool = False
+    fp8: list[Fp8Record] = dataclasses.field(default_factory=list)
+    """One record per fp8 matmul call (``torch._scaled_mm``), forward and backward: the
+    scales, the amax they stand for, and the shares of saturated and zero fp8 values."""
 
     @property
     def producers(self) -> list[OpRecord]:
@@ -65,6 +69,21 @@ class AuditReport:
 
         return render(self, max_rows)
 
+    def fp8_table(self) -> str:
+        """The fp8 matmuls as a fixed-width text table (empty string when there were none):
+        per operand ``dtype scale amax saturated% zero%``."""
+        if not self.fp8:
+            return ""
+        head = ("node", "phase", "a", "a scale", "a amax", "a sat%", "a zero%", "b",
+                "b scale", "b amax", "b sat%", "b zero%")
+        rows = [(r.node or "-", r.phase, r.a_dtype, f"{r.a_scale:.3g}", f"{r.a_amax:.3g}",
+                 f"{100 * r.a_saturated:.3g}", f"{100 * r.a_zero:.3g}", r.b_dtype,
+                 f"{r.b_scale:.3g}", f"{r.b_amax:.3g}", f"{100 * r.b_saturated:.3g}",
+                 f"{100 * r.b_zero:.3g}") for r in self.fp8]
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+        return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip()
+                         for line in [head, tuple("-" * w for w in widths), *rows])
+
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-serialisable data (``json.dumps(report.to_dict())``)."""
         first = None
@@ -75,6 +94,7 @@ class AuditReport:
                 "grad_histogram": None if self.grad_histogram is None
                 else self.grad_histogram.to_dict(),
                 "aggregate": self.aggregate,
+                "fp8": [r.to_dict() for r in self.fp8],
                 "summary": self.summary()}
 
     @classmethod
@@ -83,9 +103,10 @@ class AuditReport:
         records = [OpRecord.from_dict(r) for r in data["records"]]
         first = data.get("first_nonfinite")
         hist = data.get("grad_histogram")
+        fp8 = [Fp8Record(**{**r, "shape": tuple(r["shape"])}) for r in data.get("fp8", [])]
         return cls(records, records[first] if first is not None else None,
                    GradHistogram.from_dict(hist) if hist is not None else None,
-                   bool(data.get("aggregate", False)))
+                   bool(data.get("aggregate", False)), fp8)
 
     def __iter__(self) -> Iterator[OpRecord]:
         return iter(self.records)
@@ -150,6 +171,7 @@ class _AuditSession:
                 first_call, first = s.producer_call, record
         self.report.records = records
         self.report.first_nonfinite = first
+        self.report.fp8 = recorder.fp8.finish()
         if hist is not None:
             self.report.grad_histogram = GradHistogram.from_counts(hist, grad_max)
 

@@ -12,8 +12,9 @@ from .records import OpRecord, ReportView
 
 __all__ = ["summarize", "render", "risk_rows"]
 
-_LOW = ("float16", "bfloat16")
-_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
+_LOW = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64",
+          "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 _TOP_RISK = 5
 
 

@@ -29,6 +29,7 @@ from ..errors import AmpRewriteError
 from ..graph.fake import fake_state
 from ..policy.opkey import module_op_names
 from ..policy.registry import registered_functions
+from ..runtime.fp8 import FP8_FUNCTIONS
 from ..runtime.functions import RUNTIME_FUNCTIONS
 from ..runtime.low_copies import LOW_COPIES_ATTR
 from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
@@ -42,7 +43,8 @@ __all__ = ["capture_symbolic", "propagate_meta", "unshare_leaf_modules"]
 # symbolic
 class _AmpTracer(fx.Tracer):
     def __init__(self) -> None:
-        super().__init__(autowrap_functions=RUNTIME_FUNCTIONS + registered_functions())
+        super().__init__(autowrap_functions=RUNTIME_FUNCTIONS + FP8_FUNCTIONS
+                         + registered_functions())
         self.regions: list[Region] = []
         self.leaf_types = tuple(t for t, _ in module_op_names())
 

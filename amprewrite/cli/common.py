@@ -10,7 +10,7 @@ import torch
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-POLICIES = ("default", "autocast-cpu", "autocast-cuda")
+POLICIES = ("default", "autocast-cpu", "autocast-cuda", "fp8")
 
 
 CAPTURES = ("export", "symbolic", "compile")
@@ -26,4 +26,9 @@ def policy_for(name: str, dtype: torch.dtype) -> Any:
 
     if name == "default":
         return Policy(dtype=dtype)
+    if name == "fp8":
+        if dtype is not torch.bfloat16:
+            raise CliError("--policy fp8 runs everything but its fp8 linears in bf16; drop "
+                           "--dtype or pass --dtype bf16")
+        return Policy.fp8()
     return Policy.autocast(name.split("-")[1], dtype)

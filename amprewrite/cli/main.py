@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="low precision dtype (default: bf16)")
     common.add_argument("--policy", choices=POLICIES, default="default",
                         help="default: CUDA AMP rules on every device; autocast-cpu / "
-                             "autocast-cuda: exactly torch.autocast's lists for that device")
+                             "autocast-cuda: exactly torch.autocast's lists for that device; "
+                             "fp8: bf16 with the linear layers as fp8 matmuls")
     common.add_argument("--capture", choices=CAPTURES, default="export",
                         help="export (default), symbolic, or compile (the torch.compile "
                              "backend, for models with graph breaks)")
@@ -247,7 +248,7 @@ def _run(args: argparse.Namespace, model: nn.Module, inputs: tuple, kwargs: dict
             out["audit"] = "(auditor unavailable: needs tabulate)"
         else:
             out["audit"] = report.to_dict() if args.json else \
-                report.table(max_rows=15 if args.command == "demo" else 40)
+                _audit_text(report, max_rows=15 if args.command == "demo" else 40)
     if args.html:
         from ..htmlreport import html_report
 
@@ -297,6 +298,12 @@ def _generic_loss(out: Any) -> torch.Tensor:
         raise CliError("the model returned no floating-point tensor to take a loss of; "
                        "audit needs one to run a backward pass")
     return leaves[0].float().pow(2).mean()
+
+
+def _audit_text(report: Any, max_rows: int) -> str:
+    """The audit tables, and the fp8 matmuls' scales and saturation when the model has any."""
+    fp8 = report.fp8_table()
+    return report.table(max_rows=max_rows) + (f"\n\nfp8 matmuls\n{fp8}" if fp8 else "")
 
 
 def _audit_step(model: nn.Module, call: Callable[[], Any],

@@ -22,8 +22,8 @@ from torch.fx import Node
 from ..errors import AmpRewriteError
 from ..policy.tables import OpCategory
 
-__all__ = ["META_KEY", "Decision", "CastInfo", "tensor_meta", "has_tensor_meta", "decision",
-           "cast_info", "RANGE_KEY", "max_abs"]
+__all__ = ["META_KEY", "Decision", "CastInfo", "Fp8Step", "tensor_meta", "has_tensor_meta",
+           "decision", "cast_info", "fp8_step", "RANGE_KEY", "max_abs"]
 
 META_KEY = "amprewrite"
 RANGE_KEY = "amprewrite_max_abs"
@@ -41,6 +41,9 @@ class Decision:
     """Names of the cast nodes feeding this node (filled in by InsertCastsPass)."""
     guarded: bool = False
     """True when dtypes were unknown and the casts check their input at run time."""
+    fp8: str = ""
+    """Under ``Policy.fp8``, why a linear stays in the low dtype (``"fp8 skipped: last
+    linear"``); ``explain`` appends it to the rule."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,20 @@ class CastInfo:
     guarded: bool
     weight: bool
     """True when the cast input is a parameter or buffer (get_attr)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Step:
+    """A node of the fp8 rewrite of a linear layer (:mod:`amprewrite.passes.fp8`).
+
+    ``role`` is ``"amax"``, ``"scale"``, ``"quantize"``, ``"matmul"`` (the scaled matmul
+    that replaced the linear) or ``"grad"`` (its fp8 backward); ``dtype`` the fp8 dtype of a
+    quantize or scale, the output dtype of the matmul; ``rule`` (matmul only) what chose fp8.
+    """
+
+    role: str
+    dtype: torch.dtype | None
+    rule: str = ""
 
 
 def tensor_meta(node: Any) -> torch.Tensor | None:
@@ -79,6 +96,11 @@ def has_tensor_meta(graph: torch.fx.Graph) -> bool:
 def decision(node: Node) -> Decision | None:
     rec = node.meta.get(META_KEY)
     return rec if isinstance(rec, Decision) else None
+
+
+def fp8_step(node: Node) -> Fp8Step | None:
+    rec = node.meta.get(META_KEY)
+    return rec if isinstance(rec, Fp8Step) else None
 
 
 def cast_info(node: Node) -> CastInfo | None:

@@ -25,7 +25,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from ..capture.facts import GRAD_MODE_FUNCTIONS, REGION_KEY, Region
 from ..capture.guards import is_input_guards
 from ..errors import AmpRewriteError
-from ..graph.meta import META_KEY, Decision, cast_info
+from ..graph.meta import META_KEY, Decision, cast_info, fp8_step
 from ..graph.queries import module_paths
 from ..policy.kernels import has_low_kernel
 from ..policy.opkey import is_inplace, op_key, overload_key
@@ -97,6 +97,7 @@ class ClassifyPass(PassBase):
         modified = False
         for node in gm.graph.nodes:
             if node.op not in _CALLS or cast_info(node) is not None or _cast_item(node) \
+                    or fp8_step(node) is not None \
                     or _is_export_guard(node):
                 continue
             new = self.classify(node)

@@ -1,5 +1,6 @@
-"""The pass pipeline of a conversion: drop no-ops, decompose, classify, insert casts, fit
-constants, eliminate casts, fold constants, native kernels."""
+"""The pass pipeline of a conversion: drop no-ops, decompose, classify, insert casts, fp8
+linears (``Policy.fp8`` only), fit constants, eliminate casts, fold constants, native
+kernels."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from .drop_noops import DropNoOpsPass
 from .eliminate_casts import EliminateCastsPass, _report
 from .fit_constants import FitConstantsPass
 from .fold_constants import FoldConstantsPass
+from .fp8 import Fp8LinearPass
 from .insert_casts import InsertCastsPass
 from .native_kernels import NativeKernelsPass
 
@@ -24,8 +26,9 @@ __all__ = ["amp_passes", "run_passes"]
 
 def amp_passes(policy: Policy, dtype: torch.dtype) -> list:
     """The graph-to-graph steps of a conversion, in order (each is idempotent)."""
+    fp8 = [Fp8LinearPass(policy)] if policy.fp8_rules is not None else []
     return [DropNoOpsPass(), DecomposeCompositesPass(policy), ClassifyPass(policy, dtype),
-            InsertCastsPass(policy, dtype), FitConstantsPass(), EliminateCastsPass(policy),
+            InsertCastsPass(policy, dtype), *fp8, FitConstantsPass(), EliminateCastsPass(policy),
             FoldConstantsPass(), NativeKernelsPass()]
 
 

@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
+from .fp8 import Fp8Rules
 from .kernels import takes_mixed_input
 from .opkey import callable_key
 from .registry import registered
@@ -167,6 +168,8 @@ class Policy:
             max |x| exceeds ``finfo(low).max / 2**range_headroom_bits`` computes in fp32
             (0, the default: only values beyond the low dtype's max; 1: beyond half of it;
             0 to 15). Node, module and op overrides win over this range rule.
+        fp8_rules: the linear layers that run in fp8 (:class:`amprewrite.policy.fp8.Fp8Rules`),
+            None for none; set by :meth:`Policy.fp8`.
     """
 
     preset: str = "default"
@@ -178,8 +181,19 @@ class Policy:
     share_activation_casts: bool = True
     fold_rounding_casts: bool = False
     range_headroom_bits: int = 0
+    fp8_rules: Fp8Rules | None = None
 
     def __post_init__(self) -> None:
+        if self.fp8_rules is not None:
+            if not isinstance(self.fp8_rules, Fp8Rules):
+                raise TypeError(f"Policy(fp8_rules={self.fp8_rules!r}): expected None or an "
+                                "Fp8Rules; "
+                                "build the policy with Policy.fp8(...)")
+            if self.dtype is not torch.bfloat16:
+                raise ValueError(f"Policy(fp8_rules=..., dtype={self.dtype}): fp8 matmuls "
+                                 "write bf16 and everything else runs as under the bf16 "
+                                 "policy; use "
+                                 "Policy.fp8(...), whose dtype is torch.bfloat16")
         bits = self.range_headroom_bits
         if isinstance(bits, bool) or not isinstance(bits, int) or not 0 <= bits <= 15:
             raise ValueError(f"Policy(range_headroom_bits={bits!r}): expected an int from 0 to "
@@ -221,6 +235,24 @@ class Policy:
         return cls(preset=device_type, dtype=check_low_dtype(dtype, "Policy.autocast"),
                    device_type=device_type, share_activation_casts=False)
 
+    @classmethod
+    def fp8(cls, *, modules: Iterable[str] | str = ("*",), exclude: Iterable[str] | str = (),
+            skip_first_last: bool = True, dim_multiple: int = 16) -> "Policy":
+        """The default policy in bf16, with the model's linear layers computed as fp8
+        matmuls: ``torch._scaled_mm`` on e4m3 operands with dynamic per-tensor scales and a
+        bf16 output; in training, the backward matmuls take an e5m2 output gradient. The fp32
+        master weights stay the parameters. Every amax, scale, quantize and scaled matmul is a
+        line of ``gm.code`` (:mod:`amprewrite.passes.fp8`).
+
+        Which linears (torchao's rules, each a reason in ``explain()``): qualified name
+        matching one of ``modules`` and none of ``exclude`` (globs), not the first or last
+        linear of the forward (``skip_first_last``), both weight dimensions divisible by
+        ``dim_multiple``. ``.override(...)`` refines the bf16 rules as usual.
+        """
+        return cls(dtype=torch.bfloat16, fp8_rules=Fp8Rules(
+            modules=modules, exclude=exclude,  # type: ignore[arg-type]
+            skip_first_last=skip_first_last, dim_multiple=dim_multiple))
+
     def override(
         self,
         *,
@@ -258,14 +290,16 @@ class Policy:
                 "O3": "opt_level O3"}.get(self.preset, f"autocast({self.preset!r})")
 
     def describe(self) -> str:
-        return f"{self._name()}, {self.dtype}"
+        fp8 = f", {self.fp8_rules.describe()}" if self.fp8_rules is not None else ""
+        return f"{self._name()}, {self.dtype}{fp8}"
 
     def summary(self) -> str:
         """The preset and how many overrides refine it: ``"default (CUDA AMP rules) + 2
         overrides"``."""
         name = self._name()
         n = len(self.op_overrides) + len(self.module_overrides) + len(self.node_overrides)
-        return name + (f" + {n} override{'s' if n != 1 else ''}" if n else "")
+        fp8 = f" + {self.fp8_rules.describe()}" if self.fp8_rules is not None else ""
+        return name + (f" + {n} override{'s' if n != 1 else ''}" if n else "") + fp8
 
     def table_rule(self, key: str, overload: str | None) -> tuple[OpCategory, str] | None:
         # A registration is the user's word on an op and beats the preset's table, as Apex's

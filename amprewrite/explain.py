@@ -127,13 +127,13 @@ def _row(node: fx.Node) -> dict[str, Any] | None:
 
 
 def _computes_on_floats(op: str, val: Any, known: bool) -> bool:
-    """Whether a node is float compute (not integer/bool/shape plumbing); a node of
-    unknown dtype (guarded casts) counts as float compute."""
+    """Whether a node is float compute (not integer/bool/shape plumbing): its value is a
+    floating or complex tensor (an FFT's); a node of unknown dtype (guarded casts) counts."""
     if op in SHAPE_OPS:
         return False
     if not known:
         return True
-    return any(isinstance(t, torch.Tensor) and t.is_floating_point()
+    return any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
                for t in torch.utils._pytree.tree_leaves(val))
 
 

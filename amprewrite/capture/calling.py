@@ -145,7 +145,9 @@ def _train_in_saved_mode(self: fx.GraphModule, mode: bool = True) -> fx.GraphMod
 
 
 def _converted_call(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
-    if self._amp_by_mode[self.training] is not None:  # None: it holds this mode's graph
+    # None: it holds this mode's graph. NB: an int index: Dynamo on torch 2.11 cannot index a
+    # tuple with a bool.
+    if self._amp_by_mode[1 if self.training else 0] is not None:
         switch_graph(self, self.training)
     # NB: is_compiling first: Dynamo folds it to True and never sees the watch.
     if not torch.compiler.is_compiling():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import sys
 import threading
-import tomllib
 import warnings
 from pathlib import Path
 
@@ -29,6 +28,7 @@ def _requirement(spec: list[str], package: str) -> str:
 
 
 def test_pyproject_declares_the_tested_range() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     low, high = versions.TORCH_RANGE
     assert _requirement(project["dependencies"], "torch") == f"torch>={low},<{high}"

@@ -40,11 +40,11 @@ SKIPS = {
               "and the 4-index equation does not fit its 8x8 inputs); PyTorch skips it too",
     "equal": "data-dependent (returns a Python bool), cannot run on fake tensors",
 }
-if TORCH_RELEASE < (2, 12):
+if TORCH_RELEASE < (2, 13):
     SKIPS["_convolution"] = (
-        "torch 2.11: aten._convolution has no fake-tensor kernel for CUDA tensors, so tracing "
-        "runs the real kernel (no driver here; 'Cannot call numel() on tensor with symbolic "
-        "sizes/strides' under export's dynamic shapes); torch 2.12 and newer have it")
+        "torch 2.11 and 2.12: aten._convolution has no fake-tensor kernel for CUDA tensors, so "
+        "tracing runs the real kernel (no driver here; 'Cannot call numel() on tensor with "
+        "symbolic sizes/strides' under export's dynamic shapes); torch 2.13 and newer have it")
 # torch_need_autocast_promote mixes fp16 with fp32 inputs: under bf16 autocast, CUDA's
 # promote raises "Unexpected floating ScalarType in at::autocast::prioritize", which is why
 # PyTorch runs that list with fp16 only. The same holds here.
@@ -200,7 +200,7 @@ _GPU_EXPORT_GAPS = dict.fromkeys(
     ("cudnn_convolution", "cudnn_convolution_transpose", "gru_cell"),
     "torch.export cannot trace it: its CUDA kernel has no fake (meta) implementation "
     "(symbolic capture converts it)")
-if TORCH_RELEASE < (2, 12):
+if TORCH_RELEASE < (2, 13):
     _GPU_EXPORT_GAPS["_convolution"] = SKIPS["_convolution"]
 
 

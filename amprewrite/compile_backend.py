@@ -17,6 +17,9 @@ What changes against ``convert``:
   ``_exit_autocast`` nodes. The nodes between them are tagged with the region (as the symbolic
   and export captures do) and the enter/exit nodes are dropped: the region's rule is now
   explicit in the graph, and no autocast is entered at run time.
+* ``torch.utils.checkpoint`` calls appear as ``tag_activation_checkpoint`` ops with a body
+  graph; the body is converted with the graph around it and stays a checkpoint region, so
+  backward recomputes it, casts included (:mod:`amprewrite.capture.checkpoints`).
 * Node names are those of each Dynamo graph: read them from ``explain(b.graphs[i])``.
 """
 
@@ -31,6 +34,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .capture.checkpoints import inline_checkpoints, outline_checkpoints
 from .capture.facts import REGION_KEY, TRACED_IN_FP32, Region
 from .convert import resolve_dtype
 from .graph.meta import META_KEY
@@ -73,6 +77,7 @@ class AmpBackend:
                 f"amprewrite.backend: torch.autocast({ambient[0]!r}) is active around the "
                 "compiled model, so autocast casts on top of amprewrite's explicit casts. "
                 "Call the compiled model outside torch.autocast.", stacklevel=2)
+        checkpoints = inline_checkpoints(gm)
         _adopt_example_values(gm)
         _tag_autocast_regions(gm)
         gm.meta.pop(META_KEY, None)
@@ -83,6 +88,7 @@ class AmpBackend:
             run_passes(gm, self.policy, low)
         _plain_weight_casts(gm)
         _publish_example_values(gm)
+        outline_checkpoints(gm, checkpoints)
         self.graphs.append(gm)
         if self.eager:
             return gm.forward

@@ -35,6 +35,7 @@ from .capture.modes import NOT_CAPTURED_KEY, mode_graphs, mode_name, pending_mod
 from .compile_backend import AmpBackend
 from .graph.meta import META_KEY, cast_info, decision, fp8_step
 from .graph.queries import module_paths
+from .graph.subgraphs import nodes_with_bodies
 from .policy.tables import OpCategory
 from .summary import graph_facts, policy_of, short_dtype, summary_lines
 
@@ -168,7 +169,7 @@ def explain_records(target: Any) -> list[dict[str, Any]]:
     :func:`amprewrite.summary.graph_facts`."""
     out = []
     for title, gm in converted_graphs(target):
-        rows = [r for r in map(_row, gm.graph.nodes) if r is not None]
+        rows = [r for r in map(_row, nodes_with_bodies(gm)) if r is not None]
         facts = graph_facts(gm)
         record = {"graph": title, "policy": facts["policy"], "low_dtype": facts["low_dtype"],
                   "hardware": facts["hardware"], "fast_low_dtype": facts["fast_low_dtype"],
@@ -192,7 +193,7 @@ def _add_modes(record: dict[str, Any], gm: fx.GraphModule) -> None:
             record["modes"][name] = {"not_captured": graph.meta[NOT_CAPTURED_KEY]}
             per_mode[name] = []
             continue
-        per_mode[name] = [r for r in map(_row, graph.graph.nodes) if r is not None]
+        per_mode[name] = [r for r in map(_row, nodes_with_bodies(graph)) if r is not None]
         record["modes"][name] = _summary(graph, per_mode[name])
     current = record["modes"][mode_name(gm.training)]
     if "not_captured" not in current:

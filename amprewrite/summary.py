@@ -24,6 +24,7 @@ from .cast_count import count_casts
 from .capture.converted import CONVERTED_KEY, MODEL_KEY
 from .capture.guards import is_input_guards
 from .graph.meta import cast_info, decision
+from .graph.subgraphs import nodes_with_bodies
 from .hardware import describe, model_device, slow_reason
 from .passes.opt_levels import OPT_LEVEL_KEY
 from .policy.policy import Policy
@@ -73,8 +74,9 @@ def graph_facts(gm: fx.GraphModule) -> dict[str, Any]:
     policy, low = policy_of(gm)  # type: ignore[misc]  # callers pass converted graphs
     inputs = tuple(n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder"))
     device = model_device(gm, inputs, None)
-    ops = Counter(p for p in (precision_of(n, low) for n in gm.graph.nodes) if p is not None)
-    casts = [info for info in map(cast_info, gm.graph.nodes) if info is not None]
+    nodes = list(nodes_with_bodies(gm))
+    ops = Counter(p for p in (precision_of(n, low) for n in nodes) if p is not None)
+    casts = [info for info in map(cast_info, nodes) if info is not None]
     return {"model": gm.meta.get(MODEL_KEY, type(gm).__name__),
             "hardware": describe(device), "fast_low_dtype": slow_reason(device, low) is None,
             "policy": policy.summary(), "low_dtype": short_dtype(low),

@@ -36,7 +36,6 @@ higher-order ops. They are inlined, their nodes tagged with the region (``REGION
 from __future__ import annotations
 
 import contextlib
-import operator
 import sys
 import warnings
 from typing import Any, Iterator
@@ -47,6 +46,7 @@ import torch.nn as nn
 
 from ..errors import AmpRewriteError
 from ..graph.queries import mutated
+from ..graph.subgraphs import inline_body
 from ..versions import check_transformers
 from .custom_functions import custom_functions_in
 from .layerdrop import DecidedDraws
@@ -293,55 +293,12 @@ def _inline_regions(gm: fx.GraphModule) -> None:
         else:
             enabled, submod_node, *operands = node.args
             tag = (GRAD_KEY, bool(enabled))
-        sub = getattr(gm, submod_node.target)
-        _inline_regions(sub)
+        _inline_regions(getattr(gm, submod_node.target))
         graph = gm.graph
-        with graph.inserting_before(node):
-            if tag[0] == GRAD_KEY:
+        if tag[0] == GRAD_KEY:
+            with graph.inserting_before(node):
                 previous = graph.call_function(torch.is_grad_enabled)
                 graph.call_function(torch._C._set_grad_enabled, (tag[1],))
-            outputs = _copy_nodes(gm, sub, submod_node.target, operands, tag)
-            if tag[0] == GRAD_KEY:
+            with graph.inserting_after(node):
                 graph.call_function(torch._C._set_grad_enabled, (previous,))
-        _replace_tuple_uses(node, outputs)
-        graph.erase_node(node)
-        if not submod_node.users:
-            graph.erase_node(submod_node)
-        delattr(gm, submod_node.target)
-
-
-def _copy_nodes(gm: fx.GraphModule, sub: fx.GraphModule, prefix: str, operands: list[Any],
-                tag: tuple[str, Any]) -> Any:
-    """Copy ``sub``'s nodes before the insertion point of ``gm``; return its outputs."""
-    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    env: dict[fx.Node, Any] = dict(zip(placeholders, operands))
-    outputs: Any = None
-    for sub_node in sub.graph.nodes:
-        if sub_node.op == "placeholder":
-            continue
-        if sub_node.op == "output":
-            outputs = fx.node.map_arg(sub_node.args[0], lambda n: env[n])
-            continue
-        if sub_node.op == "get_attr":
-            name = f"{prefix}_{sub_node.target}"
-            setattr(gm, name, getattr(sub, str(sub_node.target)))
-            new = gm.graph.get_attr(name)
-        else:
-            new = gm.graph.node_copy(sub_node, lambda n: env[n])
-        new.meta = dict(sub_node.meta)
-        new.meta.setdefault(*tag)
-        env[sub_node] = new
-    return outputs
-
-
-def _replace_tuple_uses(node: fx.Node, outputs: Any) -> None:
-    """Point the ``node[i]`` users of a tuple-returning region at its i-th output."""
-    outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
-    for user in list(node.users):
-        if user.op != "call_function" or user.target is not operator.getitem:
-            raise AmpRewriteError(
-                f"cannot inline {node.format_node()}: its result is used whole by "
-                f"{user.format_node()}, not item by item. Convert with "
-                "amprewrite.compile(model) instead.")
-        user.replace_all_uses_with(outs[user.args[1]])
-        node.graph.erase_node(user)
+        inline_body(gm, node, submod_node, operands, tag)

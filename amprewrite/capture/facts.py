@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-__all__ = ["REGION_KEY", "GRAD_KEY", "Region", "GRAD_MODE_FUNCTIONS", "TRACED_IN_FP32",
+__all__ = ["REGION_KEY", "GRAD_KEY", "CHECKPOINT_KEY", "Region", "GRAD_MODE_FUNCTIONS", "TRACED_IN_FP32",
            "LIFTED_CONSTANTS"]
 
 REGION_KEY = "amprewrite_autocast"
@@ -24,6 +24,12 @@ GRAD_KEY = "amprewrite_grad_enabled"
 ``torch.enable_grad()`` region of the model's own code that contains the node; absent outside
 any region. Casts are never shared across such regions: a cast made under ``no_grad`` has no
 gradient for consumers outside."""
+
+
+CHECKPOINT_KEY = "amprewrite_checkpoint"
+"""``node.meta[CHECKPOINT_KEY]``: the index of the activation checkpoint (a Dynamo
+``tag_activation_checkpoint`` body, inlined for the passes) that contains the node; absent
+outside any."""
 
 
 @dataclasses.dataclass(frozen=True)

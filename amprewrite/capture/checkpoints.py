@@ -1,0 +1,117 @@
+"""Activation checkpoints in Dynamo graphs: converted inside, and still recomputed.
+
+Dynamo records ``torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)`` as a
+``tag_activation_checkpoint`` higher-order op whose body is a child GraphModule. The passes
+see one flat graph, so the body is inlined first, each of its nodes tagged with its region
+(``CHECKPOINT_KEY``); after the passes, each region's nodes, with the casts inserted only for
+them, move back into a body called by the same op with the same arguments. Backward then
+recomputes the converted body, casts included, as eager checkpointing under autocast does.
+
+Before the passes (Dynamo's graph)::
+
+    h = torch._C._nn.linear(l_x_, l_w_in, l_b_in)
+    tag_activation_checkpoint = torch.ops.higher_order.tag_activation_checkpoint(
+        wrap_body_0, h, l_w1, l_b1, use_reentrant = False)
+    h_1 = tag_activation_checkpoint[0]
+
+After (``wrap_body_0``'s code: ``l_w1_bf16 = l_w1.to(torch.bfloat16); ...;
+linear = torch._C._nn.linear(h, l_w1_bf16, l_b1_bf16); ...``)::
+
+    h = torch._C._nn.linear(l_x__bf16, l_w_in_bf16, l_b_in_bf16)
+    tag_activation_checkpoint = torch.ops.higher_order.tag_activation_checkpoint(
+        wrap_body_0, h, l_w1, l_b1, use_reentrant = False)
+    getitem = tag_activation_checkpoint[0]
+
+A checkpoint nested in another joins the outer one. Where the passes leave a region's nodes
+in pieces that one call cannot compute, the region stays inlined, with a warning: values and
+gradients are unchanged, its activations are kept for backward.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..graph.meta import cast_info
+from ..graph.queries import cast_source
+from ..graph.subgraphs import NotConvex, inline_body, outline
+from .facts import CHECKPOINT_KEY
+
+__all__ = ["CheckpointRegion", "inline_checkpoints", "outline_checkpoints"]
+
+CHECKPOINT_HOP = torch.ops.higher_order.tag_activation_checkpoint
+
+
+class CheckpointRegion:
+    """What an inlined checkpoint call needs to be made again: its body's name, keyword
+    arguments (``use_reentrant``, ``context_fn``, ...) and the call node's metadata."""
+
+    def __init__(self, name: str, kwargs: dict[str, Any], meta: dict[str, Any]) -> None:
+        self.name = name
+        self.kwargs = kwargs
+        self.meta = meta
+
+
+def inline_checkpoints(gm: fx.GraphModule) -> list[CheckpointRegion]:
+    """Inline every ``tag_activation_checkpoint`` of ``gm`` (nested ones too), tagging the
+    nodes with the index of their outermost region in the returned list."""
+    regions: list[CheckpointRegion] = []
+    while True:
+        node = next((n for n in gm.graph.nodes
+                     if n.op == "call_function" and n.target is CHECKPOINT_HOP), None)
+        if node is None:
+            return regions
+        index = node.meta.get(CHECKPOINT_KEY)
+        if index is None:
+            index = len(regions)
+            regions.append(CheckpointRegion(str(node.args[0].target), dict(node.kwargs),
+                                            {k: node.meta[k] for k in ("stack_trace",
+                                                                        "nn_module_stack")
+                                             if k in node.meta}))
+        body, *operands = node.args
+        inline_body(gm, node, body, operands, (CHECKPOINT_KEY, index))
+
+
+def outline_checkpoints(gm: fx.GraphModule, regions: list[CheckpointRegion]) -> None:
+    """Move each region's nodes, and the casts that feed only them, back into a body called
+    by ``tag_activation_checkpoint`` with the region's keyword arguments."""
+    for index, region in enumerate(regions):
+        members = _members(gm, index)
+        if not members:
+            continue  # the passes left nothing to compute (an identity block)
+        try:
+            outline(gm, members, region.name,
+                    lambda graph, body, inputs, region=region: _call(graph, body, inputs,
+                                                                     region))
+        except NotConvex:
+            warnings.warn(
+                f"amprewrite.backend: the activation checkpoint {region.name} could not be "
+                "kept after conversion, so its activations are stored for backward instead "
+                "of recomputed (values and gradients are unchanged). Checkpoint the "
+                "converted blocks instead: see docs/distributed.md.", stacklevel=3)
+            for node in members:  # left inlined: plain nodes of the graph from now on
+                node.meta.pop(CHECKPOINT_KEY, None)
+    gm.recompile()
+
+
+def _members(gm: fx.GraphModule, index: int) -> list[fx.Node]:
+    """The region's nodes, and every cast whose users are all in the region (the passes
+    insert a cast before its consumer without the consumer's region tag)."""
+    members = {n for n in gm.graph.nodes if n.meta.get(CHECKPOINT_KEY) == index}
+    for node in reversed(gm.graph.nodes):
+        if node in members or CHECKPOINT_KEY in node.meta or not node.users:
+            continue
+        if (cast_info(node) is not None or cast_source(node) is not None) \
+                and all(u in members for u in node.users):
+            members.add(node)
+    return [n for n in gm.graph.nodes if n in members]
+
+
+def _call(graph: fx.Graph, body: fx.Node, inputs: tuple[fx.Node, ...],
+          region: CheckpointRegion) -> fx.Node:
+    call = graph.call_function(CHECKPOINT_HOP, (body, *inputs), dict(region.kwargs))
+    call.meta.update(region.meta)
+    return call

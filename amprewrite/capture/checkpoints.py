@@ -25,10 +25,20 @@ linear = torch._C._nn.linear(h, l_w1_bf16, l_b1_bf16); ...``)::
 A checkpoint nested in another joins the outer one. Where the passes leave a region's nodes
 in pieces that one call cannot compute, the region stays inlined, with a warning: values and
 gradients are unchanged, its activations are kept for backward.
+
+**torch.export** (``convert`` with example inputs) has no such op: non-strict export runs
+``checkpoint``'s Python and records the checkpointed function's ops as ordinary nodes, so
+the converted module keeps their activations for backward and recomputes nothing. That
+costs memory without a sign, so :class:`CheckpointSites` watches the trace for it: an op
+called while ``checkpoint``'s saved-tensor hooks are the innermost ones (what non-reentrant
+checkpointing, the default of PyTorch and transformers, installs) runs inside a checkpoint,
+and the first Python frame outside torch is where the model called it. The capture warns,
+naming those places and the two ways to keep checkpointing.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
@@ -40,7 +50,7 @@ from ..graph.queries import cast_source
 from ..graph.subgraphs import NotConvex, inline_body, outline
 from .facts import CHECKPOINT_KEY
 
-__all__ = ["CheckpointRegion", "inline_checkpoints", "outline_checkpoints"]
+__all__ = ["CheckpointRegion", "inline_checkpoints", "outline_checkpoints", "CheckpointSites"]
 
 CHECKPOINT_HOP = torch.ops.higher_order.tag_activation_checkpoint
 
@@ -115,3 +125,52 @@ def _call(graph: fx.Graph, body: fx.Node, inputs: tuple[fx.Node, ...],
     call = graph.call_function(CHECKPOINT_HOP, (body, *inputs), dict(region.kwargs))
     call.meta.update(region.meta)
     return call
+
+
+class CheckpointSites(torch.overrides.TorchFunctionMode):
+    """While active, collects where the traced model calls ``torch.utils.checkpoint``
+    (non-reentrant) as ``"file:line in function"`` strings in :attr:`sites`. Every call runs
+    unchanged; the check is one read of the innermost saved-tensor hooks per torch call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: list[str] = []
+        self._hooks: list[Any] = []  # NB: the objects, not ids: ids are reused after a free
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        if hooks is not None and _is_checkpoint_hook(hooks[0]) \
+                and not any(h is hooks[0] for h in self._hooks):
+            self._hooks.append(hooks[0])
+            site = _call_site()
+            if site is not None and site not in self.sites:
+                self.sites.append(site)
+        return func(*args, **(kwargs or {}))
+
+    def __exit__(self, *exc: Any) -> Any:
+        self._hooks.clear()  # they hold the trace's checkpoint frames
+        return super().__exit__(*exc)
+
+
+def _is_checkpoint_hook(pack_hook: Any) -> bool:
+    return getattr(pack_hook, "__module__", None) == "torch.utils.checkpoint" \
+        and getattr(pack_hook, "__qualname__", "").startswith("_checkpoint_hook.")
+
+
+_TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"
+_CHECKPOINT_FILE = _TORCH_DIR + "utils/checkpoint.py"
+
+
+def _call_site() -> str | None:
+    """The innermost frame outside torch above ``torch/utils/checkpoint.py`` on the stack."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename != _CHECKPOINT_FILE:
+        frame = frame.f_back
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
+                                 or frame.f_code.co_filename.startswith("<")
+                                 or frame.f_code.co_filename.endswith("/functools.py")):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"

@@ -48,6 +48,7 @@ from ..errors import AmpRewriteError
 from ..graph.queries import mutated
 from ..graph.subgraphs import inline_body
 from ..versions import check_transformers
+from .checkpoints import CheckpointSites
 from .custom_functions import custom_functions_in
 from .layerdrop import DecidedDraws
 from .facts import GRAD_KEY, LIFTED_CONSTANTS, REGION_KEY, TRACED_IN_FP32, Region
@@ -108,13 +109,25 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
 def _export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, shapes: Any,
             regime: Regime | None, faithful: bool) -> torch.export.ExportedProgram:
     _register_hf_caches(model)
+    checkpoints = CheckpointSites()
     with contextlib.ExitStack() as stack:
         stack.enter_context(DecidedDraws())
+        stack.enter_context(checkpoints)
         if faithful:
             stack.enter_context(_FaithfulConversions())
         if regime is not None:
             stack.enter_context(torch.autocast(regime[0], dtype=regime[1]))
         ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+    if checkpoints.sites:
+        warnings.warn(
+            f"amprewrite: {type(model).__name__} calls torch.utils.checkpoint (at "
+            f"{'; '.join(checkpoints.sites)}). torch.export records a checkpointed function "
+            "as ordinary ops, so the converted module keeps its activations for backward "
+            "instead of recomputing them: values and gradients are unchanged, memory is as "
+            "without checkpointing. To keep checkpointing, convert with "
+            "amprewrite.compile(model), or convert the checkpointed blocks and call "
+            "checkpoint() on the converted blocks (docs/distributed.md).",
+            stacklevel=_user_stacklevel())
     functions = custom_functions_in(ep.graph)
     if functions:
         names = ", ".join(sorted(functions))
@@ -124,8 +137,21 @@ def _export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, shapes
             "differentiates those ops instead of calling their own backward: gradients through "
             "them can differ from the model's (outputs do not). To keep them whole, convert "
             "with amprewrite.compile(model), whose capture keeps a Function's backward.",
-            stacklevel=4)
+            stacklevel=_user_stacklevel())
     return ep
+
+
+_OWN_DIRS = (__file__.rsplit("/", 2)[0] + "/", torch.__file__.rsplit("/", 1)[0] + "/")
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised by the caller point at the innermost
+    frame outside amprewrite and torch (whose wrappers some releases put around calls): the
+    user's ``convert`` call, or their ``train()`` that captured the other mode."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _register_hf_caches(model: nn.Module) -> None:

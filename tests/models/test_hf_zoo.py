@@ -96,3 +96,24 @@ def test_compile(arch: Arch) -> None:
 @pytest.mark.parametrize("arch", _cases("audit"))
 def test_audit(arch: Arch) -> None:
     check_audit(arch)
+
+
+def test_export_capture_names_where_transformers_checkpoints() -> None:
+    """Converting with example inputs records a checkpointed layer as ordinary ops, so the
+    capture says so, naming transformers' checkpoint call; in eval mode nothing is
+    checkpointed and nothing is said."""
+    import warnings
+
+    import amprewrite
+
+    arch = next(a for a in ZOO if a.gradient_checkpointing)
+    args, kwargs = arch.example()
+    with pytest.warns(UserWarning, match=r"calls torch\.utils\.checkpoint \(at \S+"
+                                         r"transformers\S+\.py:\d+ in \w+\)") as caught:
+        amprewrite.convert(arch.build().train(), args, example_kwargs=kwargs)
+    assert sum("torch.utils.checkpoint" in str(w.message) for w in caught) == 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        amprewrite.convert(arch.build().eval(), args, example_kwargs=kwargs)
+    assert not [w for w in caught if "torch.utils.checkpoint" in str(w.message)]
+

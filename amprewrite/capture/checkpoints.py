@@ -139,7 +139,11 @@ class CheckpointSites(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        # NB: export traces torch.cond's branches with Dynamo, which traces this mode too:
+        # it folds is_dynamo_compiling to True and never sees the C call. (is_compiling
+        # would not do: it is True for the whole export.)
+        hooks = None if torch.compiler.is_dynamo_compiling() else \
+            torch._C._autograd._top_saved_tensors_default_hooks(True)
         if hooks is not None and _is_checkpoint_hook(hooks[0]) \
                 and not any(h is hooks[0] for h in self._hooks):
             self._hooks.append(hooks[0])

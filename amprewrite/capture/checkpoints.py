@@ -38,6 +38,7 @@ naming those places and the two ways to keep checkpointing.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
 from typing import Any
@@ -55,14 +56,14 @@ __all__ = ["CheckpointRegion", "inline_checkpoints", "outline_checkpoints", "Che
 CHECKPOINT_HOP = torch.ops.higher_order.tag_activation_checkpoint
 
 
+@dataclasses.dataclass
 class CheckpointRegion:
     """What an inlined checkpoint call needs to be made again: its body's name, keyword
     arguments (``use_reentrant``, ``context_fn``, ...) and the call node's metadata."""
 
-    def __init__(self, name: str, kwargs: dict[str, Any], meta: dict[str, Any]) -> None:
-        self.name = name
-        self.kwargs = kwargs
-        self.meta = meta
+    name: str
+    kwargs: dict[str, Any]
+    meta: dict[str, Any]
 
 
 def inline_checkpoints(gm: fx.GraphModule) -> list[CheckpointRegion]:
@@ -162,8 +163,9 @@ def _is_checkpoint_hook(pack_hook: Any) -> bool:
         and getattr(pack_hook, "__qualname__", "").startswith("_checkpoint_hook.")
 
 
-_TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"
-_CHECKPOINT_FILE = _TORCH_DIR + "utils/checkpoint.py"
+TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"
+"""Frames in files under it are torch's own, never the user's."""
+_CHECKPOINT_FILE = TORCH_DIR + "utils/checkpoint.py"
 
 
 def _call_site() -> str | None:
@@ -171,7 +173,7 @@ def _call_site() -> str | None:
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename != _CHECKPOINT_FILE:
         frame = frame.f_back
-    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
+    while frame is not None and (frame.f_code.co_filename.startswith(TORCH_DIR)
                                  or frame.f_code.co_filename.startswith("<")
                                  or frame.f_code.co_filename.endswith("/functools.py")):
         frame = frame.f_back

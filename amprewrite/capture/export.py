@@ -48,7 +48,7 @@ from ..errors import AmpRewriteError
 from ..graph.queries import mutated
 from ..graph.subgraphs import inline_body
 from ..versions import check_transformers
-from .checkpoints import CheckpointSites
+from .checkpoints import TORCH_DIR, CheckpointSites
 from .custom_functions import custom_functions_in
 from .layerdrop import DecidedDraws
 from .facts import GRAD_KEY, LIFTED_CONSTANTS, REGION_KEY, TRACED_IN_FP32, Region
@@ -141,7 +141,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, shapes
     return ep
 
 
-_OWN_DIRS = (__file__.rsplit("/", 2)[0] + "/", torch.__file__.rsplit("/", 1)[0] + "/")
+_OWN_DIRS = (__file__.rsplit("/", 2)[0] + "/", TORCH_DIR)
 
 
 def _user_stacklevel() -> int:

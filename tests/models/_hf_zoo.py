@@ -114,7 +114,7 @@ def cross_entropy_on(read: Callable[[Any], torch.Tensor],
 
     def loss(out: Any) -> torch.Tensor:
         scores = read(out).float().movedim(class_dim, -1)
-        targets = _fixed_targets(scores.shape[:-1], scores.shape[-1])
+        targets = _fixed_targets(scores.shape[:-1], scores.shape[-1]).to(scores.device)
         return F.cross_entropy(scores.reshape(-1, scores.shape[-1]), targets.reshape(-1))
 
     return loss

@@ -23,10 +23,14 @@ from .capture.modes import (
     in_mode,
     mode_name,
     not_captured_graph,
+    relink_modes,
+    share_root_state,
     share_state,
 )
 from .capture.persistence import match_persistence
+from .capture.reads import recording_reads, restore_classes
 from .capture.state import preserved_global_state
+from .capture.variants import GUARD_ATTR, STATE_KEY, CallGuard
 from .capture.symbolic import capture_symbolic, propagate_meta
 from .errors import AmpRewriteError
 from .capture.calling import finish
@@ -39,7 +43,8 @@ from .passes.gather_weights import gather_weights
 from .passes.opt_levels import apply_opt_level, check_opt_level, low_precision_twin
 from .passes.pipeline import run_passes
 from .policy.policy import Policy, check_low_dtype
-from .runtime.model_watch import watch_model
+from .runtime.model_watch import WATCH_ATTR, share_tensor_dicts, watch_model
+from .runtime.state_guard import StateSnapshot
 
 __all__ = ["convert", "resolve_dtype"]
 
@@ -66,6 +71,7 @@ def convert(
     capture: str = "auto",
     opt_level: str = "O1",
     calibrate: tuple[tuple, dict] | list[tuple[tuple, dict]] | None = None,
+    on_change: str = "recapture",
 ) -> fx.GraphModule:
     """Rewrite ``model`` into a GraphModule that runs in mixed precision with explicit casts.
 
@@ -95,6 +101,12 @@ def convert(
             largest finite |x| is recorded; then an op that would compute in the low dtype
             and whose output or inputs exceed ``finfo(low).max / 2**policy.range_headroom_bits``
             computes in fp32 (rule ``"range: ..."`` in ``explain``). O1 only.
+        on_change: what a call does when the model's Python state that the capture read has
+            changed since (an attribute, a config value, a submodule replaced, an adapter
+            switched: see :mod:`amprewrite.capture.variants`). ``"recapture"`` (default):
+            capture the model as it is now, with the call's inputs, warning once with what
+            changed, and keep the earlier graph for when the state returns (at most 8 states).
+            ``"raise"``: raise :class:`AmpRewriteError` naming what changed.
 
     Returns:
         A ``torch.fx.GraphModule``; ``print(gm.code)`` shows every cast, and
@@ -103,8 +115,12 @@ def convert(
     ``model`` is captured in the mode it is in (``model.training``); the other mode is
     captured, with the same inputs and options, the first time ``gm.train(mode)`` /
     ``gm.eval()`` switches to it (outside ``torch.compile`` and tracing; see
-    :mod:`amprewrite.capture.modes`). Until then ``gm`` holds a reference to ``model`` and
-    to the example inputs (and a deep copy of ``gm`` a copy of them).
+    :mod:`amprewrite.capture.modes`). ``gm`` holds a reference to ``model`` and to the
+    example inputs (and a deep copy of ``gm`` a copy of them).
+
+    ``gm`` stays the model: it computes with the model's tensors as they are at each call
+    (replaced ones included), and each call checks that the Python state the capture read
+    still holds (``on_change``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"amprewrite.convert expects a torch.nn.Module, got "
@@ -129,19 +145,56 @@ def convert(
     check_opt_level(opt_level, policy, dtype)
     calibration = check_calibrate(calibrate, model, opt_level)
     low = resolve_dtype(model, policy, dtype)
+    if on_change not in ("recapture", "raise"):
+        raise ValueError(f"amprewrite.convert: on_change={on_change!r} is unknown; expected "
+                         "'recapture' or 'raise'")
     if policy.fp8_rules is not None and low is not torch.bfloat16:
         raise ValueError(f"amprewrite.convert: dtype={low} was given with Policy.fp8(...), whose "
                          "fp8 matmuls write bf16 and whose other ops run in bf16. Drop dtype=...")
     if opt_level != "O0":
         warn_if_slow(model_device(model, example_inputs, example_kwargs), low)
+    recapture = _Recapture(model, example_inputs, example_kwargs, policy, low, capture,
+                           opt_level, calibration)
     with preserved_global_state():
         gm = _capture_and_rewrite(model, example_inputs, example_kwargs, policy, low, capture,
                                   opt_level, calibration)
         if opt_level != "O3":  # O3 runs on its own copy of the model: nothing is shared
+            share_tensor_dicts(gm, model)
+            relink_modes(gm)  # the weight tables read the shared dicts
             watch_model(gm, model)
     _record_inputs(gm, model, example_inputs, example_kwargs, capture)
     gm.meta.setdefault(MODEL_KEY, type(model).__name__)  # a converted module keeps its name
+    gm.__dict__[GUARD_ATTR] = CallGuard(gm, None if is_converted(model) else recapture,
+                                        on_change, gm.__dict__.get(WATCH_ATTR))
     return finish(gm)
+
+
+class _Recapture:
+    """How a converted module captures the model again for a new state: ``convert``'s
+    arguments, and the call's inputs where the capture needs inputs (:mod:`.capture.variants`).
+    A class, not a closure, so that a deep copy of the module copies the model with it."""
+
+    def __init__(self, model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None,
+                 policy: Policy, low: torch.dtype, capture: str, opt_level: str,
+                 calibration: list[CalibrationInput] | None) -> None:
+        self.model, self.has_inputs = model, args is not None or kwargs is not None
+        self.policy, self.low, self.capture_path = policy, low, capture
+        self.opt_level, self.calibration = opt_level, calibration
+
+    def __call__(self, gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]
+                 ) -> fx.GraphModule:
+        call_args, call_kwargs = (args, kwargs or None) if self.has_inputs else (None, None)
+        model = self.model
+        with preserved_global_state(), in_mode(model, gm.training):
+            core = _capture_and_rewrite(model, call_args, call_kwargs, self.policy, self.low,
+                                        self.capture_path, self.opt_level, self.calibration,
+                                        root=gm)
+            if self.opt_level != "O3":
+                share_tensor_dicts(core, model)
+                relink_modes(core)
+        _record_inputs(core, model, call_args, call_kwargs, self.capture_path)
+        core.meta.setdefault(MODEL_KEY, type(model).__name__)
+        return finish(core)
 
 
 def _record_inputs(gm: fx.GraphModule, model: nn.Module, args: tuple | None,
@@ -158,22 +211,26 @@ class _ModePair:
     module, the code it was captured as, and the names both graphs give node and module
     overrides."""
 
-    def __init__(self) -> None:
+    def __init__(self, root: fx.GraphModule | None = None) -> None:
         self.main: fx.GraphModule | None = None
         self.main_code = ""
         self.nodes: set[str] = set()
         self.paths: set[str] = set()
+        self.root = root
+        """The converted module a new state's capture shares its root tensors with."""
 
 
 def _capture_and_rewrite(model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None,
                          policy: Policy, low: torch.dtype, capture: str, opt_level: str,
-                         calibration: list[CalibrationInput] | None = None) -> fx.GraphModule:
+                         calibration: list[CalibrationInput] | None = None,
+                         root: fx.GraphModule | None = None) -> fx.GraphModule:
     """The graph of the mode ``model`` is in; the other mode is captured when the module is
     first switched to it (see :mod:`.capture.modes`), or now where an override names nothing
-    in the first mode's capture (it may name something in the other's)."""
+    in the first mode's capture (it may name something in the other's). ``root``: the
+    converted module whose root tensors a capture for a new state shares."""
     if opt_level == "O3" and not is_converted(model):
         model = low_precision_twin(model, low)  # O3 owns low-precision copies of everything
-    pair = _ModePair()
+    pair = _ModePair(root)
     main = _capture_one(model, args, kwargs, policy, low, capture, opt_level, calibration, pair)
     assert main is not None  # the first mode is never the same code as another
     training = not main.meta[MODE_KEY]
@@ -184,7 +241,8 @@ def _capture_and_rewrite(model: nn.Module, args: tuple | None, kwargs: dict[str,
     attach_modes(main, other)
     if other is not None and any(_override_misses(pair, policy)):
         attach_modes(main, other.capture(main, training, pair))
-    _check_override_names(pair, policy)
+    if root is None:  # a new state's capture: the names were checked at conversion
+        _check_override_names(pair, policy)
     return main
 
 
@@ -254,7 +312,10 @@ def _capture_one(model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | 
     if capture == "export" or (capture == "auto" and has_inputs):
         return _export_and_rewrite(model, args or (), kwargs, policy, low, opt_level,
                                    calibration, pair)
-    gm = capture_symbolic(model)
+    with recording_reads(model) as reads:
+        gm = capture_symbolic(model)
+    restore_classes(gm)
+    gm.meta[STATE_KEY] = StateSnapshot(reads, model)
     if has_inputs:
         propagate_meta(gm, args or (), kwargs)
     return _rewrite(gm, model, policy, low, opt_level, calibration, pair)
@@ -269,7 +330,7 @@ def _export_and_rewrite(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
     regime = _regime(model, args, kwargs, policy, low, opt_level)
     faithful = opt_level != "O0"
     try:
-        gm = capture_export(model, args, kwargs, regime=regime, dynamic=True, faithful=faithful)
+        gm = _recorded_export(model, args, kwargs, regime, True, faithful)
     except AmpRewriteError as exc:
         dynamic_error: Exception = exc
     else:
@@ -281,7 +342,7 @@ def _export_and_rewrite(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
             raise  # the user's input is wrong: shapes have nothing to do with it
         except Exception as exc:
             dynamic_error = exc
-    gm = capture_export(model, args, kwargs, regime=regime, dynamic=False, faithful=faithful)
+    gm = _recorded_export(model, args, kwargs, regime, False, faithful)
     converted = _rewrite(gm, model, policy, low, opt_level, calibration, pair)
     warnings.warn(
         f"amprewrite.convert: {type(model).__name__} could not be converted with dynamic "
@@ -292,6 +353,18 @@ def _export_and_rewrite(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
     return converted
 
 
+def _recorded_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
+                     regime: Regime | None, dynamic: bool, faithful: bool) -> fx.GraphModule:
+    """:func:`capture_export`, with what the model's code read (:mod:`.capture.reads`) as the
+    graph's ``meta[STATE_KEY]``."""
+    with recording_reads(model) as reads:
+        gm = capture_export(model, args, kwargs, regime=regime, dynamic=dynamic,
+                            faithful=faithful)
+    restore_classes(gm)
+    gm.meta[STATE_KEY] = StateSnapshot(reads, model)
+    return gm
+
+
 def _rewrite(gm: fx.GraphModule, model: nn.Module, policy: Policy, low: torch.dtype,
              opt_level: str, calibration: list[CalibrationInput] | None,
              pair: _ModePair) -> fx.GraphModule | None:
@@ -299,11 +372,15 @@ def _rewrite(gm: fx.GraphModule, model: nn.Module, policy: Policy, low: torch.dt
     second mode reads the first's tensors (:func:`share_state`); None if it is the same code."""
     gm.meta.pop(META_KEY, None)
     gm.meta.setdefault(MODE_KEY, model.training)
+    state = gm.meta.get(STATE_KEY)
     code = gm.code
     if pair.main is not None:
         if code == pair.main_code:
+            _join_states(pair.main, gm)
             return None  # no mode-dependent code: one graph serves both modes
         share_state(pair.main, gm)
+    elif pair.root is not None:
+        share_root_state(pair.root, gm, suffix="state")
     _record_override_names(gm, pair)
     match_persistence(gm, model)
     if opt_level != "O1":
@@ -313,9 +390,19 @@ def _rewrite(gm: fx.GraphModule, model: nn.Module, policy: Policy, low: torch.dt
             record_ranges(gm, calibration, policy)  # read by ClassifyPass (range_rule)
         run_passes(gm, policy, low)
         gm = gather_weights(gm)
+    if state is not None:
+        gm.meta[STATE_KEY] = state
     if pair.main is None:
         pair.main, pair.main_code = gm, code
     return gm
+
+
+def _join_states(main: fx.GraphModule, same: fx.GraphModule) -> None:
+    """``main``'s graph serves the mode ``same`` was captured in too: it depends on what
+    either capture read."""
+    mine, theirs = main.meta.get(STATE_KEY), same.meta.get(STATE_KEY)
+    if isinstance(mine, StateSnapshot) and isinstance(theirs, StateSnapshot):
+        main.meta[STATE_KEY] = mine.union(theirs)
 
 
 def _regime(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, policy: Policy,

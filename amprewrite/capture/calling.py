@@ -19,8 +19,9 @@ puts the plain generated code back (:mod:`.codegen`). A deep copy keeps both: to
 (:func:`amprewrite.capture.modes.switch_graph`), capturing it at the first switch to it; the
 call checks once more, one tuple index, for a ``training`` flag set by hand.
 
-Each call first lets the module's :class:`~amprewrite.runtime.model_watch.ModelWatch` keep its
-tensors the model's own (two integer reads when nothing changed).
+Each call first asks the module's :class:`~amprewrite.capture.variants.CallGuard` whether the
+graph it holds is still the one for its mode and the model's state (one check), and brings it up
+to date where not.
 
 Pickling (``torch.save(gm)``): torch.fx pickles a GraphModule as its generated code and
 traces that code again on load, with the tracer class the module names (``_tracer_cls``).
@@ -47,11 +48,11 @@ import torch.nn as nn
 from ..errors import AmpRewriteError
 from ..graph.codegen import recompile_with_bindings
 from ..graph.inputs import input_mismatch
-from ..runtime.model_watch import WATCH_ATTR
 from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
 from .guards import GUARDS_ATTR, InputGuards
 from .modes import MODES_ATTR, relink_modes, switch_graph
 from .symbolic import _AmpTracer
+from .variants import GUARD_ATTR, STATE_KEY
 
 __all__ = ["finish", "failure_context"]
 
@@ -82,6 +83,9 @@ def _train(self: fx.GraphModule, mode: bool = True) -> fx.GraphModule:
     leaving_training = self.training and not mode
     nn.Module.train(self, mode)
     switch_graph(self, bool(mode))
+    guard = self.__dict__.get(GUARD_ATTR)
+    if guard is not None:
+        guard.snapshot = self.meta.get(STATE_KEY)
     cache = self.__dict__.get(CACHE_ATTR)
     if leaving_training and isinstance(cache, WeightCastCache):
         # NB: a fused optimizer (Trainer's default AdamW on CPU) updates the weights in place
@@ -97,6 +101,8 @@ def _finished_copy(self: fx.GraphModule, memo: dict[int, Any]) -> fx.GraphModule
     # (whose siblings the memo already copied, and finished) are put back by hand.
     copied.__dict__[MODES_ATTR] = copy.deepcopy(self.__dict__.get(MODES_ATTR, (None, None)),
                                                 memo)
+    if GUARD_ATTR in self.__dict__:
+        copied.__dict__[GUARD_ATTR] = copy.deepcopy(self.__dict__[GUARD_ATTR], memo)
     relink_modes(copied)
     return _finish_one(copied)
 
@@ -118,6 +124,7 @@ def _reduce_converted(self: fx.GraphModule) -> Any:
     rebuild, (body, import_block) = fx.GraphModule.__reduce__(self)
     body["_tracer_cls"], body["_tracer_extras"] = _AmpTracer, {}  # NB: module docstring
     body.pop(MODES_ATTR, None)  # the other mode's graph, or what its capture needs: not saved
+    body.pop(GUARD_ATTR, None)  # other states' graphs and the model: not saved either
     return _rebuild_in_saved_mode, (rebuild, body, import_block, self.training)
 
 
@@ -145,15 +152,15 @@ def _train_in_saved_mode(self: fx.GraphModule, mode: bool = True) -> fx.GraphMod
 
 
 def _converted_call(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
-    # None: it holds this mode's graph. NB: an int index: Dynamo on torch 2.11 cannot index a
-    # tuple with a bool.
-    if self._amp_by_mode[1 if self.training else 0] is not None:
-        switch_graph(self, self.training)
-    # NB: is_compiling first: Dynamo folds it to True and never sees the watch.
-    if not torch.compiler.is_compiling():
-        watch = self.__dict__.get(WATCH_ATTR)
-        if watch is not None:
-            watch.check()
+    # NB: is_compiling first: Dynamo folds it to True and never sees the guard; what it traces
+    # is the mode's graph (None: it holds this mode's graph; an int index: Dynamo on torch
+    # 2.11 cannot index a tuple with a bool).
+    guard = None if torch.compiler.is_compiling() else self.__dict__.get(GUARD_ATTR)
+    if guard is None:
+        if self._amp_by_mode[1 if self.training else 0] is not None:
+            switch_graph(self, self.training)
+    elif not guard.holds(self):
+        guard.follow(self, args, kwargs)
     try:
         return nn.Module.__call__(self, *args, **kwargs)
     except Exception as exc:

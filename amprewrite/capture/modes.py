@@ -60,7 +60,8 @@ from .guards import InputGuards
 
 __all__ = ["MODES_ATTR", "MODE_KEY", "NOT_CAPTURED_KEY", "PendingMode", "not_captured_graph",
            "in_mode", "mode_name", "share_state", "share_runtime", "attach_modes",
-           "mode_graphs", "pending_mode", "captured_mode", "switch_graph", "relink_modes"]
+           "mode_graphs", "pending_mode", "captured_mode", "switch_graph", "exchange_graphs",
+           "relink_modes", "share_root_state"]
 
 MODES_ATTR = "_amp_by_mode"
 """``gm.__dict__[MODES_ATTR]``: ``(eval, train)``, what a call in each mode runs: None for
@@ -154,17 +155,7 @@ def share_state(main: fx.GraphModule, other: fx.GraphModule) -> None:
     that ``main`` lacks is added to ``main`` (a parameter the other mode alone uses is still
     the model's); a root tensor of the same name but another value (a constant lifted out of
     the other mode's code) is added under a new name, read by ``other``'s graph."""
-    for name, tensor in list(itertools.chain(other._parameters.items(), other._buffers.items())):
-        held = main._parameters.get(name, main._buffers.get(name))
-        if tensor is None or held is tensor or (held is not None and _same_constant(held, tensor)):
-            continue
-        if held is None:
-            _register(main, name, tensor, name not in other._non_persistent_buffers_set)
-            continue
-        new = _free_name(main, f"{name}_{mode_name(bool(other.meta.get(MODE_KEY)))}")
-        _register(main, new, tensor, False)
-        for node in other.graph.find_nodes(op="get_attr", target=name):
-            node.target = new
+    share_root_state(main, other, suffix=mode_name(bool(other.meta.get(MODE_KEY))))
     own = {}
     for name, child in other._modules.items():
         held = main._modules.get(name)
@@ -172,9 +163,27 @@ def share_state(main: fx.GraphModule, other: fx.GraphModule) -> None:
             main.add_module(name, child)
         elif held is None or (held is not child and not _merge(held, child)):
             own[name] = child  # a graph's own: its input check, a sub-graph
+    other.__dict__["_modules"] = {**main._modules, **own}
+
+
+def share_root_state(main: fx.GraphModule, other: fx.GraphModule, suffix: str) -> None:
+    """Make ``other`` (a fresh capture, before its passes) read its root tensors from
+    ``main``'s root dicts, and run ``main``'s root hooks; a root tensor that ``main`` holds
+    under the same name with another value is added as ``<name>_<suffix>`` and read by
+    ``other``'s graph. Its submodules stay its own."""
+    for name, tensor in list(itertools.chain(other._parameters.items(), other._buffers.items())):
+        held = main._parameters.get(name, main._buffers.get(name))
+        if tensor is None or held is tensor or (held is not None and _same_constant(held, tensor)):
+            continue
+        if held is None:
+            _register(main, name, tensor, name not in other._non_persistent_buffers_set)
+            continue
+        new = _free_name(main, f"{name}_{suffix}")
+        _register(main, new, tensor, False)
+        for node in other.graph.find_nodes(op="get_attr", target=name):
+            node.target = new
     for attr in _SHARED_DICTS:
         other.__dict__[attr] = main.__dict__[attr]
-    other.__dict__["_modules"] = {**main._modules, **own}
 
 
 def share_runtime(main: fx.GraphModule, other: fx.GraphModule) -> None:
@@ -234,6 +243,8 @@ def _merge(held: nn.Module, child: nn.Module) -> bool:
             return False
     for name, tensor in missing:
         prefix, _, attr = name.rpartition(".")
+        # NB: where a submodule holds the model's own tensor dicts (model_watch), a tensor the
+        # other capture found there is already in them: nothing is written.
         owner = held
         for part in prefix.split(".") if prefix else ():
             if part not in owner._modules:
@@ -311,8 +322,18 @@ def switch_graph(gm: fx.GraphModule, training: bool) -> None:
     other = captured_mode(gm, training)
     if other is None:
         return
+    exchange_graphs(gm, other)
+    by_mode: list[fx.GraphModule | None] = [None, None]
+    by_mode[not training] = other
+    gm.__dict__[MODES_ATTR] = tuple(by_mode)
+
+
+def exchange_graphs(gm: fx.GraphModule, other: fx.GraphModule,
+                    extra: tuple[str, ...] = ()) -> None:
+    """Exchange what belongs to one graph (:data:`_GRAPH_ATTRS` and ``extra``), the submodules
+    the two do not share, and their forwards, between ``gm`` and ``other``."""
     mine, theirs = gm.__dict__, other.__dict__
-    for attr in _GRAPH_ATTRS:
+    for attr in _GRAPH_ATTRS + extra:
         a, b = mine.pop(attr, _MISSING), theirs.pop(attr, _MISSING)
         if b is not _MISSING:
             mine[attr] = b
@@ -325,9 +346,6 @@ def switch_graph(gm: fx.GraphModule, training: bool) -> None:
             _put(other._modules, name, a)
     mine_cls, theirs_cls = type(gm), type(other)
     mine_cls.forward, theirs_cls.forward = theirs_cls.forward, mine_cls.forward
-    by_mode: list[fx.GraphModule | None] = [None, None]
-    by_mode[not training] = other
-    mine[MODES_ATTR] = tuple(by_mode)
 
 
 _MISSING = object()

@@ -8,7 +8,7 @@ while an optimizer over ``model.parameters()`` trains it; and a hook registered 
 model's submodules, which the converted graph never calls (it calls no submodule of the
 model). :class:`ModelWatch` checks for both at the start of each call, but only when
 something of the kind happened anywhere in the process since its last check: a tensor was
-registered on some module, or a hook handle was made (:func:`_changes`, two integer reads on
+registered on some module, or a hook handle was made (:func:`changes`, two integer reads on
 the common path). Then it
 
 * follows a replaced tensor: the converted module takes the model's new one, so it computes
@@ -28,12 +28,14 @@ import warnings
 import weakref
 from typing import Any, NamedTuple
 
+import torch
+import torch.fx
 import torch.nn as nn
 from torch.nn.modules.module import (register_module_buffer_registration_hook,
                                      register_module_parameter_registration_hook)
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["ModelWatch", "WATCH_ATTR", "watch_model"]
+__all__ = ["ModelWatch", "WATCH_ATTR", "watch_model", "share_tensor_dicts", "changes"]
 
 WATCH_ATTR = "_amp_model_watch"
 
@@ -47,7 +49,7 @@ def _count_registration(module: nn.Module, name: str, value: Any) -> None:
     _registrations[0] += 1  # NB: returns None, or the value would replace the tensor
 
 
-def _changes() -> tuple[int, int]:
+def changes() -> tuple[int, int]:
     """A stamp that moves whenever a parameter or buffer is registered on any module or any
     hook handle is made.
 
@@ -84,11 +86,11 @@ class ModelWatch:
         """Each slot's tensor as last shared, weakly (see _Slot.model_owner)."""
         self._hooks = set(_hook_ids(model))
         self._warned: set[Any] = set()
-        self._stamp = _changes()
+        self._stamp = changes()
 
     def check(self) -> None:
         """Run at the start of each call of the converted module (:mod:`amprewrite.capture.calling`)."""
-        stamp = _changes()
+        stamp = changes()
         if stamp == self._stamp:
             return
         self._stamp = stamp
@@ -174,6 +176,41 @@ def _shared_slots(gm: nn.Module, model: nn.Module) -> list[_Slot]:
                 if tensor is not None and getattr(owner, kind).get(attr) is tensor:
                     slots.append(_Slot(qualified, kind, attr, weakref.ref(owner), module))
     return slots
+
+
+_TENSOR_DICTS = ("_parameters", "_buffers", "_non_persistent_buffers_set")
+
+
+def share_tensor_dicts(gm: nn.Module, model: nn.Module) -> int:
+    """Make each submodule of ``gm`` hold the ``_parameters``, ``_buffers`` and
+    ``_non_persistent_buffers_set`` of the model's submodule at the same path, where it holds
+    the same tensors under the same names (a subset: the symbolic capture keeps the ones its
+    graph reads). Returns how many submodules now share.
+
+    Why: a tensor the model's code (or a library: accelerate's device-map loading writes
+    ``module._parameters[name] = t``) puts in one of those dicts is then the converted
+    module's at once, at no cost per call; ``setattr``, ``load_state_dict(assign=True)`` and
+    ``module.to()`` all end there. The root is left alone: the converted module's root holds
+    constants of the capture beside the model's own tensors."""
+    shared = 0
+    for name, module in gm.named_modules():
+        if not name or isinstance(module, torch.fx.GraphModule):
+            continue
+        try:
+            theirs = model.get_submodule(name)
+        except AttributeError:
+            continue
+        if theirs is module or not all(_subset(module.__dict__[kind], theirs.__dict__[kind])
+                                       for kind in ("_parameters", "_buffers")):
+            continue
+        for kind in _TENSOR_DICTS:
+            module.__dict__[kind] = theirs.__dict__[kind]
+        shared += 1
+    return shared  # NB: the caller points the weight tables at the new dicts (relink_modes)
+
+
+def _subset(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:
+    return all(name in theirs and theirs[name] is tensor for name, tensor in ours.items())
 
 
 def watch_model(gm: nn.Module, model: nn.Module) -> None:

@@ -62,6 +62,10 @@ class _Entry(NamedTuple):
     copy: torch.Tensor
     alias: torch.Tensor
     """``copy.data``: what a rewrite writes through (module docstring)."""
+    storage: Any
+    """The weight's storage when the copy was made, held so that its address cannot go to
+    the storage that replaces it (``p.data = t``, ``model.half().float()``): a new storage at
+    the old address, with a version counter that happens to match, would look unchanged."""
 
 
 def _tracing(weight: torch.Tensor) -> bool:
@@ -210,7 +214,8 @@ class WeightCastCache:
         # The callback drops the copy as soon as its weight dies (a replaced parameter), so
         # stale copies do not pile up; it holds the cache weakly to avoid a reference cycle.
         self._entries[key] = _Entry(weakref.ref(weight, _dropper(self, key)), weight._version,
-                                    weight.data_ptr(), copy, copy.data)
+                                    weight.data_ptr(), copy, copy.data,
+                                    weight.untyped_storage())
         return copy
 
     def _check_steps(self) -> None:

@@ -1,0 +1,202 @@
+"""What a capture read of the model's Python state: attributes, configs, which submodule sits where.
+
+A capture runs the model's forward once and bakes into the graph everything that Python code
+read along the way: a flag that picked a branch, a float that became a constant, the config
+value that decided which outputs exist, the submodules it called. A converted module that is
+to stay the model must know those reads, to tell at each call whether they still hold
+(:mod:`amprewrite.runtime.state_guard`).
+
+:func:`recording_reads` records them. For the duration of the capture, each module of the model
+is given a subclass of its own class (made once per class, with the same name, module and
+qualified name) that overrides ``__getattribute__`` and ``__getattr__`` to note each read; the
+modules' classes are put back on exit, errors included. Nothing of torch is changed and no
+module of the model is left changed; ``type(m) is C`` does not hold *during* the capture,
+``isinstance`` does. NB: the model must not be used from another thread while it is captured.
+
+What is noted, per module of the model (objects the forward makes, such as the slice of a
+``ModuleList``, are not the model's state and are not noted):
+
+* an attribute found in the instance ``__dict__``: its name (:attr:`Reads.values`);
+* an attribute found on the class (a method, a class-level default) or not found at all
+  (``getattr(self, "x", None)``): that the instance does not hold one
+  (:attr:`Reads.absent`), since setting it later would shadow it;
+* a submodule read, or the ``_modules`` table read directly (iterating a ``ModuleList``): the
+  module's table of submodules (:attr:`Reads.tables`);
+* a parameter or buffer read: its slot (:attr:`Reads.tensors`);
+* a *config object* read from a module (an HF ``PretrainedConfig``, any dataclass instance,
+  ``SimpleNamespace``, or an object with ``to_dict``): the whole object (:attr:`Reads.configs`),
+  since the forward reads it through helpers the recording cannot see into.
+
+``training`` is not noted: the converted module's mode is its own (``gm.train()``/``gm.eval()``,
+:mod:`.modes`), and each mode's capture sets the model's flags for its duration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import types
+from typing import Any, Callable, Iterator
+
+import torch.nn as nn
+
+__all__ = ["Reads", "recording_reads", "is_config", "restore_classes"]
+
+_MODULE_INTERNALS = frozenset(dir(nn.Module)) | frozenset(nn.Module().__dict__) | {"__dict__"}
+"""Names that are torch's bookkeeping, not the model's state (``training``: see above)."""
+
+_TENSOR_TABLES = ("_parameters", "_buffers")
+
+
+class Reads:
+    """The reads of one capture, keyed by object identity (each object of the model once)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.owners: dict[int, nn.Module] = {id(m): m for m in model.modules()}
+        self.values: dict[tuple[int, str], tuple[object, str]] = {}
+        self.absent: dict[tuple[int, str], tuple[object, str]] = {}
+        self.tables: dict[int, nn.Module] = {}
+        self.tensors: dict[tuple[int, str, str], tuple[nn.Module, str, str]] = {}
+        self.configs: dict[int, object] = {}
+
+    def _value(self, owner: object, name: str, value: Any) -> None:
+        self.values.setdefault((id(owner), name), (owner, name))
+        if is_config(value):
+            self.configs.setdefault(id(value), value)
+
+    def _absent(self, owner: object, name: str) -> None:
+        self.absent.setdefault((id(owner), name), (owner, name))
+
+
+_active: list[Reads] = []
+
+
+def is_config(value: Any) -> bool:
+    """A plain object holding settings, read through helpers: watched whole."""
+    if isinstance(value, (nn.Module, type)) or not hasattr(value, "__dict__"):
+        return False
+    return (dataclasses.is_dataclass(value) or isinstance(value, types.SimpleNamespace)
+            or callable(getattr(type(value), "to_dict", None)))
+
+
+def _note_getattribute(module: nn.Module, name: str, value: Any) -> None:
+    reads = _active[-1]
+    if id(module) not in reads.owners:
+        return  # an object the forward made (a ModuleList slice), not the model's
+    if name in _MODULE_INTERNALS or name.startswith("__"):
+        if name == "_modules":
+            reads.tables.setdefault(id(module), module)
+        return
+    own = object.__getattribute__(module, "__dict__")
+    if name in own:
+        reads._value(module, name, value)
+    elif not _is_data_descriptor(type(module), name):
+        reads._absent(module, name)  # a method or class default: an instance value would shadow it
+
+
+def _note_getattr(module: nn.Module, name: str, value: Any, found: bool) -> None:
+    reads = _active[-1]
+    if id(module) not in reads.owners or name.startswith("__"):
+        return
+    own = object.__getattribute__(module, "__dict__")
+    reads.tables.setdefault(id(module), module)  # a submodule added later would be read instead
+    for table in _TENSOR_TABLES:
+        if found and name in own.get(table, ()):
+            reads.tensors.setdefault((id(module), table, name), (module, table, name))
+            return
+    if found:
+        if name in own:  # a class's own __getattr__ that found it in the instance dict
+            reads._value(module, name, value)
+        return  # else a submodule: its table is noted above
+    reads._absent(module, name)
+    for table in _TENSOR_TABLES:
+        if table in own:
+            reads.absent.setdefault((id(own[table]), name), (own[table], name))
+
+
+def _is_data_descriptor(cls: type, name: str) -> bool:
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            attr = klass.__dict__[name]
+            return hasattr(type(attr), "__set__") or hasattr(type(attr), "__delete__")
+    return False
+
+
+_RECORDING: dict[type, type] = {}
+"""Original class -> its recording subclass (made once, kept: classes live as long anyway)."""
+_ORIGINAL: dict[type, type] = {}
+"""Recording subclass -> the original class."""
+
+
+def _recording_class(cls: type) -> type:
+    sub = _RECORDING.get(cls)
+    if sub is not None:
+        return sub
+    base_getattribute: Callable[[Any, str], Any] = cls.__getattribute__
+    base_getattr: Callable[[Any, str], Any] | None = getattr(cls, "__getattr__", None)
+
+    def __getattribute__(self: nn.Module, name: str) -> Any:
+        value = base_getattribute(self, name)
+        if _active:
+            _note_getattribute(self, name, value)
+        return value
+
+    namespace: dict[str, Any] = {"__slots__": (), "__getattribute__": __getattribute__,
+                                 "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    if base_getattr is not None:
+        def __getattr__(self: nn.Module, name: str) -> Any:
+            try:
+                value = base_getattr(self, name)
+            except AttributeError:
+                if _active:
+                    _note_getattr(self, name, None, found=False)
+                raise
+            if _active:
+                _note_getattr(self, name, value, found=True)
+            return value
+
+        namespace["__getattr__"] = __getattr__
+    sub = type(cls)(cls.__name__, (cls,), namespace)
+    _RECORDING[cls] = sub
+    _ORIGINAL[sub] = cls
+    return sub
+
+
+def restore_classes(root: nn.Module) -> None:
+    """Put back the original class of any module under ``root`` that a capture copied while
+    it was being recorded (``copy.copy`` of a module keeps its class)."""
+    for module in root.modules():
+        original = _ORIGINAL.get(type(module))
+        if original is not None:
+            object.__setattr__(module, "__class__", original)
+
+
+def _restore_classes(swapped: list[tuple[nn.Module, type]]) -> None:
+    for module, cls in swapped:
+        object.__setattr__(module, "__class__", cls)
+
+
+@contextlib.contextmanager
+def recording_reads(model: nn.Module) -> Iterator[Reads]:
+    """Note what the code run inside the block reads of ``model`` (module docstring).
+
+    A module whose class cannot take a subclass (``__class__`` assignment refused) is not
+    recorded; its reads are then unseen, which the snapshot says (``unwatched``)."""
+    reads = Reads(model)
+    swapped: list[tuple[nn.Module, type]] = []
+    try:
+        for module in reads.owners.values():
+            cls = type(module)
+            if cls in _ORIGINAL:
+                continue  # recorded already by an enclosing capture
+            try:
+                object.__setattr__(module, "__class__", _recording_class(cls))
+            except TypeError:
+                continue
+            swapped.append((module, cls))
+        _active.append(reads)
+        yield reads
+    finally:
+        if _active and _active[-1] is reads:
+            _active.pop()
+        _restore_classes(swapped)

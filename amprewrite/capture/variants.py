@@ -1,0 +1,179 @@
+"""A converted module follows the model it was converted from: the one check at each call.
+
+What a captured graph depends on besides its inputs:
+
+* the tensors: the converted module holds the model's own parameter and buffer dicts
+  (:func:`amprewrite.runtime.model_watch.share_tensor_dicts`), so there is nothing to check;
+* the mode (``gm.train()`` / ``gm.eval()``): one graph per mode (:mod:`.modes`);
+* the Python state the capture read: attributes, configs, which submodule sits where
+  (:mod:`.reads`, frozen in a :class:`~amprewrite.runtime.state_guard.StateSnapshot` under
+  ``graph.meta[STATE_KEY]``);
+* hooks registered on the model's modules after conversion, which no graph runs (reported by
+  :class:`~amprewrite.runtime.model_watch.ModelWatch`).
+
+:class:`CallGuard` checks all of them at once at the start of each call (:meth:`CallGuard.holds`:
+the mode, a stamp of registrations, the active graph's snapshot; about 25 ns per attribute read
+by the capture). Where one no longer holds, :meth:`CallGuard.follow` brings the module up to
+date before the call runs:
+
+* another mode: the graph of that mode (captured at the first switch, :mod:`.modes`);
+* another state: a graph captured earlier for it, if one matches; else, with
+  ``on_change="recapture"`` (the default), a new capture of the model as it is now, with the
+  call's inputs, warning once with what changed (``block.use_gate: True -> False``); with
+  ``on_change="raise"``, an :class:`~amprewrite.errors.AmpRewriteError` naming what changed.
+  At most :data:`MAX_STATES` states are kept: past that the call raises, since a model whose
+  state changes at every call is converted again at every call.
+
+Each state's graphs form a *core*: a converted GraphModule holding that state's graph and its
+other mode (``_amp_by_mode``). The module holds the active core; the others wait in
+:attr:`CallGuard.cores`, and :func:`swap_cores` exchanges them (a few dict writes, like a mode
+switch). All cores share the module's root tensors and its runtime stores; each has its own
+tree of submodules (a replaced head is another tree), whose tensor dicts are the model's.
+
+NB: ``torch.compile`` of a converted module traces whichever graph the module holds; the check
+itself runs only eagerly (a call outside ``torch.compile``, or ``gm.train()``/``gm.eval()``).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, Callable
+
+import torch.fx as fx
+
+from ..errors import AmpRewriteError
+from ..runtime.model_watch import ModelWatch, changes
+from ..runtime.state_guard import StateSnapshot
+from .modes import MODES_ATTR, exchange_graphs, switch_graph
+
+__all__ = ["CallGuard", "GUARD_ATTR", "STATE_KEY", "MAX_STATES", "ON_CHANGE", "swap_cores",
+           "state_of"]
+
+GUARD_ATTR = "_amp_guard"
+"""``gm.__dict__[GUARD_ATTR]``: the module's :class:`CallGuard`."""
+
+STATE_KEY = "amprewrite_state"
+"""``graph.meta[STATE_KEY]``: the :class:`StateSnapshot` of what its capture read."""
+
+MAX_STATES = 8
+"""The most model states one converted module keeps a graph for."""
+
+ON_CHANGE = ("recapture", "raise")
+
+Recapture = Callable[[fx.GraphModule, tuple, dict], fx.GraphModule]
+"""``(module, args, kwargs) -> core``: a new core for the model as it is now, in the module's
+mode, captured with the call's inputs, sharing the module's root state."""
+
+
+def state_of(graph: fx.GraphModule, training: bool) -> StateSnapshot | None:
+    """The snapshot of the graph that ``graph`` (a core) runs in ``training`` mode: its own,
+    or its captured sibling's; None where that mode is not captured yet."""
+    entry = graph.__dict__.get(MODES_ATTR, (None, None))[training]
+    if entry is None:
+        return graph.meta.get(STATE_KEY)
+    if isinstance(entry, fx.GraphModule):
+        return entry.meta.get(STATE_KEY)
+    return None
+
+
+class CallGuard:
+    """The per-call check of a converted module (module docstring)."""
+
+    def __init__(self, gm: fx.GraphModule, recapture: Recapture | None, on_change: str,
+                 watch: ModelWatch | None) -> None:
+        if on_change not in ON_CHANGE:
+            raise ValueError(f"amprewrite.convert: on_change={on_change!r} is unknown; expected "
+                             f"one of {', '.join(map(repr, ON_CHANGE))}")
+        self.recapture = recapture
+        self.on_change = on_change
+        self.watch = watch
+        self.cores: list[fx.GraphModule] = []
+        self.snapshot: StateSnapshot | None = gm.meta.get(STATE_KEY)
+        self.stamp = changes()
+
+    # -- the hot path ------------------------------------------------------------------------
+    def holds(self, gm: fx.GraphModule) -> bool:
+        """Whether ``gm`` holds the graph for its mode and the model's state, as last seen.
+        NB: an int index: Dynamo on torch 2.11 cannot index a tuple with a bool."""
+        snapshot = self.snapshot
+        return (gm.__dict__[MODES_ATTR][1 if gm.training else 0] is None
+                and self.stamp == changes()
+                and (snapshot is None or snapshot.holds()))
+
+    # -- bringing the module up to date --------------------------------------------------------
+    def follow(self, gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Make ``gm`` hold the graph of its mode and the model's current state (module
+        docstring)."""
+        slots_changed = False
+        if self.stamp != changes():
+            if self.watch is not None:
+                self.watch.check()
+            self.stamp = changes()
+            slots_changed = self.snapshot is not None and not self.snapshot.slots_hold()
+        switch_graph(gm, gm.training)
+        self.snapshot = gm.meta.get(STATE_KEY)
+        if self.snapshot is None or (self.snapshot.holds() and not slots_changed):
+            return
+        what = self.snapshot.changes() or ["a tensor slot the forward found empty was filled"]
+        for i, core in enumerate(self.cores):
+            state = state_of(core, gm.training) or core.meta.get(STATE_KEY)
+            if state is not None and state.holds() and state.slots_hold():
+                self.cores[i] = swap_cores(gm, core)
+                switch_graph(gm, gm.training)
+                self.snapshot = gm.meta.get(STATE_KEY)
+                return
+        self._refuse(gm, what)
+        assert self.recapture is not None  # _refuse raised otherwise
+        core = self.recapture(gm, args, kwargs)
+        warnings.warn(
+            f"amprewrite: the model's state changed since this {type(gm).__name__} was "
+            f"captured, so it was captured again for the new state ({len(self.cores) + 2} of "
+            f"at most {MAX_STATES} kept): " + "; ".join(what) + ". The earlier graph is kept "
+            "for when the state returns. convert(..., on_change='raise') makes such a change "
+            "an error instead.", stacklevel=4)
+        self.cores.append(swap_cores(gm, core))
+        self.snapshot = gm.meta.get(STATE_KEY)
+
+    def _refuse(self, gm: fx.GraphModule, what: list[str]) -> None:
+        changed = "; ".join(what)
+        name = type(gm).__name__
+        if self.recapture is None:
+            raise AmpRewriteError(
+                f"the model this converted {name} was captured from has changed ({changed}), "
+                "and this module cannot capture it again (it is a copy loaded from a file, or "
+                "holds no model). Convert the model again with amprewrite.convert.")
+        if self.on_change == "raise":
+            raise AmpRewriteError(
+                f"the model this converted {name} was captured from has changed since the "
+                f"capture: {changed}. Its graph computes the model as it was, so the call is "
+                "refused (convert(..., on_change='raise')). Put the model back as it was, "
+                "convert it again (amprewrite.convert) after the change, or convert with "
+                "on_change='recapture' to capture each new state at its first call.")
+        if len(self.cores) + 1 >= MAX_STATES:
+            raise AmpRewriteError(
+                f"the model this converted {name} was captured from has changed again "
+                f"({changed}) after {MAX_STATES} states were captured. A model whose state "
+                "changes at every call would be captured at every call. Keep that state out of "
+                "the forward (pass it as an input), convert again once the model is set up, "
+                "or use amprewrite.compile(model), whose guards follow Python state.")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CallGuard:
+        new = object.__new__(CallGuard)
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = copy.deepcopy(value, memo) if key != "stamp" else value
+        return new
+
+    def __reduce__(self) -> Any:
+        return (_no_guard, ())
+
+
+def _no_guard() -> None:
+    return None
+
+
+def swap_cores(gm: fx.GraphModule, core: fx.GraphModule) -> fx.GraphModule:
+    """Make ``gm`` hold ``core``'s graphs and tree and ``core`` hold ``gm``'s; returns ``core``
+    (which now holds what ``gm`` held)."""
+    exchange_graphs(gm, core, extra=(MODES_ATTR,))
+    return core

@@ -44,7 +44,7 @@ from .passes.opt_levels import apply_opt_level, check_opt_level, low_precision_t
 from .passes.pipeline import run_passes
 from .policy.policy import Policy, check_low_dtype
 from .runtime.model_watch import WATCH_ATTR, share_tensor_dicts, watch_model
-from .runtime.state_guard import StateSnapshot
+from .capture.snapshot import StateSnapshot
 
 __all__ = ["convert", "resolve_dtype"]
 

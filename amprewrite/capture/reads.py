@@ -4,7 +4,7 @@ A capture runs the model's forward once and bakes into the graph everything that
 read along the way: a flag that picked a branch, a float that became a constant, the config
 value that decided which outputs exist, the submodules it called. A converted module that is
 to stay the model must know those reads, to tell at each call whether they still hold
-(:mod:`amprewrite.runtime.state_guard`).
+(:mod:`amprewrite.capture.snapshot`).
 
 :func:`recording_reads` records them. For the duration of the capture, each module of the model
 is given a subclass of its own class (made once per class, with the same name, module and
@@ -16,12 +16,12 @@ module of the model is left changed; ``type(m) is C`` does not hold *during* the
 What is noted, per module of the model (objects the forward makes, such as the slice of a
 ``ModuleList``, are not the model's state and are not noted):
 
-* an attribute found in the instance ``__dict__``: its name (:attr:`Reads.values`);
+* an attribute found in the instance ``__dict__``, a submodule found in ``_modules``: where
+  (:attr:`Reads.values`);
 * an attribute found on the class (a method, a class-level default) or not found at all
   (``getattr(self, "x", None)``): that the instance does not hold one
   (:attr:`Reads.absent`), since setting it later would shadow it;
-* a submodule read, or the ``_modules`` table read directly (iterating a ``ModuleList``): the
-  module's table of submodules (:attr:`Reads.tables`);
+* the table of submodules read as a whole (iterating a ``ModuleList``): :attr:`Reads.walked`;
 * a parameter or buffer read: its slot (:attr:`Reads.tensors`);
 * a *config object* read from a module (an HF ``PretrainedConfig``, any dataclass instance,
   ``SimpleNamespace``, or an object with ``to_dict``): the whole object (:attr:`Reads.configs`),
@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import types
 from typing import Any, Callable, Iterator
 
+import torch
 import torch.nn as nn
 
 __all__ = ["Reads", "recording_reads", "is_config", "restore_classes"]
@@ -47,25 +49,37 @@ _MODULE_INTERNALS = frozenset(dir(nn.Module)) | frozenset(nn.Module().__dict__) 
 
 _TENSOR_TABLES = ("_parameters", "_buffers")
 
+TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"
+
+
+Slot = tuple[Any, str, str]
+"""``(owner, table, key)``: where a read looked: ``owner.__dict__`` (``table`` ``"__dict__"``)
+or one of a module's tables (``"_modules"``, ``"_parameters"``, ``"_buffers"``)."""
+
 
 class Reads:
-    """The reads of one capture, keyed by object identity (each object of the model once)."""
+    """The reads of one capture, each place once (keyed by the owner's identity)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.owners: dict[int, nn.Module] = {id(m): m for m in model.modules()}
-        self.values: dict[tuple[int, str], tuple[object, str]] = {}
-        self.absent: dict[tuple[int, str], tuple[object, str]] = {}
-        self.tables: dict[int, nn.Module] = {}
-        self.tensors: dict[tuple[int, str, str], tuple[nn.Module, str, str]] = {}
+        self.values: dict[tuple[int, str, str], Slot] = {}
+        """Found: an attribute in ``__dict__``, a submodule in ``_modules``."""
+        self.absent: dict[tuple[int, str, str], Slot] = {}
+        """Looked for and not found there (a class attribute, a method, a missing name)."""
+        self.walked: dict[int, nn.Module] = {}
+        """Containers (``ModuleList``...) whose ``_modules`` was read as a whole (iterated,
+        counted, sliced), and modules whose ``_modules`` the model's own code read."""
+        self.tensors: dict[tuple[int, str, str], Slot] = {}
+        """Parameter and buffer slots read."""
         self.configs: dict[int, object] = {}
 
-    def _value(self, owner: object, name: str, value: Any) -> None:
-        self.values.setdefault((id(owner), name), (owner, name))
+    def found(self, owner: object, table: str, key: str, value: Any) -> None:
+        self.values.setdefault((id(owner), table, key), (owner, table, key))
         if is_config(value):
             self.configs.setdefault(id(value), value)
 
-    def _absent(self, owner: object, name: str) -> None:
-        self.absent.setdefault((id(owner), name), (owner, name))
+    def missing(self, owner: object, table: str, key: str) -> None:
+        self.absent.setdefault((id(owner), table, key), (owner, table, key))
 
 
 _active: list[Reads] = []
@@ -84,14 +98,24 @@ def _note_getattribute(module: nn.Module, name: str, value: Any) -> None:
     if id(module) not in reads.owners:
         return  # an object the forward made (a ModuleList slice), not the model's
     if name in _MODULE_INTERNALS or name.startswith("__"):
-        if name == "_modules":
-            reads.tables.setdefault(id(module), module)
+        if name == "_modules" and (isinstance(module, _CONTAINERS) or _read_by_model_code()):
+            reads.walked.setdefault(id(module), module)
         return
-    own = object.__getattribute__(module, "__dict__")
-    if name in own:
-        reads._value(module, name, value)
+    if name in object.__getattribute__(module, "__dict__"):
+        reads.found(module, "__dict__", name, value)
     elif not _is_data_descriptor(type(module), name):
-        reads._absent(module, name)  # a method or class default: an instance value would shadow it
+        reads.missing(module, "__dict__", name)  # an instance value would shadow the class's
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def _read_by_model_code() -> bool:
+    """Whether the ``_modules`` read being noted comes from code outside torch (the model's
+    own, ``for child in self._modules.values()``), not from torch's bookkeeping
+    (``named_parameters`` and the like, which the capture itself calls on every module)."""
+    frame = sys._getframe(3)  # _note_getattribute <- __getattribute__ <- the reader
+    return frame is not None and not frame.f_code.co_filename.startswith(TORCH_DIR)
 
 
 def _note_getattr(module: nn.Module, name: str, value: Any, found: bool) -> None:
@@ -99,19 +123,20 @@ def _note_getattr(module: nn.Module, name: str, value: Any, found: bool) -> None
     if id(module) not in reads.owners or name.startswith("__"):
         return
     own = object.__getattribute__(module, "__dict__")
-    reads.tables.setdefault(id(module), module)  # a submodule added later would be read instead
-    for table in _TENSOR_TABLES:
-        if found and name in own.get(table, ()):
-            reads.tensors.setdefault((id(module), table, name), (module, table, name))
-            return
     if found:
-        if name in own:  # a class's own __getattr__ that found it in the instance dict
-            reads._value(module, name, value)
-        return  # else a submodule: its table is noted above
-    reads._absent(module, name)
-    for table in _TENSOR_TABLES:
+        for table in _TENSOR_TABLES:
+            if name in own.get(table, ()):
+                reads.tensors.setdefault((id(module), table, name), (module, table, name))
+                return
+        if name in own.get("_modules", ()):
+            reads.found(module, "_modules", name, value)
+        elif name in own:  # a class's own __getattr__ that found it in the instance dict
+            reads.found(module, "__dict__", name, value)
+        return
+    # Not found: a submodule, tensor or attribute set later under that name would be read.
+    for table in ("_modules", *_TENSOR_TABLES):
         if table in own:
-            reads.absent.setdefault((id(own[table]), name), (own[table], name))
+            reads.missing(module, table, name)
 
 
 def _is_data_descriptor(cls: type, name: str) -> bool:

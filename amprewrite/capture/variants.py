@@ -6,7 +6,7 @@ What a captured graph depends on besides its inputs:
   (:func:`amprewrite.runtime.model_watch.share_tensor_dicts`), so there is nothing to check;
 * the mode (``gm.train()`` / ``gm.eval()``): one graph per mode (:mod:`.modes`);
 * the Python state the capture read: attributes, configs, which submodule sits where
-  (:mod:`.reads`, frozen in a :class:`~amprewrite.runtime.state_guard.StateSnapshot` under
+  (:mod:`.reads`, frozen in a :class:`~amprewrite.capture.snapshot.StateSnapshot` under
   ``graph.meta[STATE_KEY]``);
 * hooks registered on the model's modules after conversion, which no graph runs (reported by
   :class:`~amprewrite.runtime.model_watch.ModelWatch`).
@@ -44,7 +44,7 @@ import torch.fx as fx
 
 from ..errors import AmpRewriteError
 from ..runtime.model_watch import ModelWatch, changes
-from ..runtime.state_guard import StateSnapshot
+from .snapshot import StateSnapshot
 from .modes import MODES_ATTR, exchange_graphs, switch_graph
 
 __all__ = ["CallGuard", "GUARD_ATTR", "STATE_KEY", "MAX_STATES", "ON_CHANGE", "swap_cores",

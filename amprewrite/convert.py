@@ -28,7 +28,7 @@ from .capture.modes import (
     share_state,
 )
 from .capture.persistence import match_persistence
-from .capture.reads import recording_reads, restore_classes
+from .capture.reads import note_leaf_modules, recording_reads, restore_classes
 from .capture.state import preserved_global_state
 from .capture.variants import GUARD_ATTR, STATE_KEY, CallGuard
 from .capture.symbolic import capture_symbolic, propagate_meta
@@ -315,6 +315,7 @@ def _capture_one(model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | 
     with recording_reads(model) as reads:
         gm = capture_symbolic(model)
     restore_classes(gm)
+    note_leaf_modules(reads, model, gm)
     gm.meta[STATE_KEY] = StateSnapshot(reads, model)
     if has_inputs:
         propagate_meta(gm, args or (), kwargs)

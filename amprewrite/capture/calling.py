@@ -36,6 +36,7 @@ graph of the mode it was saved in only: switching it to the other mode raises.
 from __future__ import annotations
 
 import copy
+import functools
 import linecache
 import sys
 import traceback
@@ -50,7 +51,7 @@ from ..graph.codegen import recompile_with_bindings
 from ..graph.inputs import input_mismatch
 from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
 from .guards import GUARDS_ATTR, InputGuards
-from .modes import MODES_ATTR, relink_modes, switch_graph
+from .modes import FORWARD_ATTR, MODES_ATTR, relink_modes, switch_graph
 from .symbolic import _AmpTracer
 from .variants import GUARD_ATTR, STATE_KEY
 
@@ -72,11 +73,20 @@ def _finish_one(gm: fx.GraphModule) -> fx.GraphModule:
     recompile_with_bindings(gm)
     gm.__dict__.setdefault(MODES_ATTR, (None, None))
     cls = type(gm)
+    gm.__dict__[FORWARD_ATTR] = cls.forward
+    cls.forward = functools.wraps(cls.forward)(_held_graph_forward)
     cls.__call__ = _converted_call
     cls.__deepcopy__ = _finished_copy
     cls.train = _train
     cls.__reduce__ = _reduce_converted
     return gm
+
+
+def _held_graph_forward(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+    """The class's ``forward``: the generated forward of the graph the module holds now (a
+    mode switch or a new state exchanges graphs, not classes). ``functools.wraps`` gives it
+    the generated signature, which ``inspect.signature(gm.forward)`` (HF ``Trainer``) reads."""
+    return self.__dict__[FORWARD_ATTR](self, *args, **kwargs)
 
 
 def _train(self: fx.GraphModule, mode: bool = True) -> fx.GraphModule:
@@ -124,6 +134,7 @@ def _reduce_converted(self: fx.GraphModule) -> Any:
     rebuild, (body, import_block) = fx.GraphModule.__reduce__(self)
     body["_tracer_cls"], body["_tracer_extras"] = _AmpTracer, {}  # NB: module docstring
     body.pop(MODES_ATTR, None)  # the other mode's graph, or what its capture needs: not saved
+    body.pop(FORWARD_ATTR, None)  # generated code: the load generates it again
     body.pop(GUARD_ATTR, None)  # other states' graphs and the model: not saved either
     return _rebuild_in_saved_mode, (rebuild, body, import_block, self.training)
 

@@ -61,6 +61,7 @@ from .guards import InputGuards
 __all__ = ["MODES_ATTR", "MODE_KEY", "NOT_CAPTURED_KEY", "PendingMode", "not_captured_graph",
            "in_mode", "mode_name", "share_state", "share_runtime", "attach_modes",
            "mode_graphs", "pending_mode", "captured_mode", "switch_graph", "exchange_graphs",
+           "FORWARD_ATTR",
            "relink_modes", "share_root_state"]
 
 MODES_ATTR = "_amp_by_mode"
@@ -75,8 +76,12 @@ NOT_CAPTURED_KEY = "amprewrite_not_captured"
 """``gm.meta[NOT_CAPTURED_KEY]``: why the model could not be captured in this graph's mode
 (the graph raises)."""
 
+FORWARD_ATTR = "_amp_forward"
+"""``gm.__dict__[FORWARD_ATTR]``: the generated forward of the graph ``gm`` holds, which the
+class's ``forward`` calls (:func:`amprewrite.capture.calling.finish`)."""
+
 _GRAPH_ATTRS = ("_graph", "_code", "_lineno_map", "_prologue_start", "meta", "_in_spec",
-                "_out_spec", "_tracer_cls", "_tracer_extras", WEIGHTS_ATTR)
+                "_out_spec", "_tracer_cls", "_tracer_extras", WEIGHTS_ATTR, FORWARD_ATTR)
 """What :func:`switch_graph` exchanges: one graph's own instance attributes."""
 
 _SHARED_DICTS = ("_parameters", "_buffers", "_non_persistent_buffers_set",
@@ -330,8 +335,10 @@ def switch_graph(gm: fx.GraphModule, training: bool) -> None:
 
 def exchange_graphs(gm: fx.GraphModule, other: fx.GraphModule,
                     extra: tuple[str, ...] = ()) -> None:
-    """Exchange what belongs to one graph (:data:`_GRAPH_ATTRS` and ``extra``), the submodules
-    the two do not share, and their forwards, between ``gm`` and ``other``."""
+    """Exchange what belongs to one graph (:data:`_GRAPH_ATTRS`, its generated forward among
+    them, and ``extra``) and the submodules the two do not share, between ``gm`` and
+    ``other``. NB: the classes' ``forward`` stay: a bound ``gm.forward`` that a library kept
+    (accelerate's autocast wrapper) runs whatever graph ``gm`` holds when it is called."""
     mine, theirs = gm.__dict__, other.__dict__
     for attr in _GRAPH_ATTRS + extra:
         a, b = mine.pop(attr, _MISSING), theirs.pop(attr, _MISSING)
@@ -344,8 +351,6 @@ def exchange_graphs(gm: fx.GraphModule, other: fx.GraphModule,
         if a is not b:
             _put(gm._modules, name, b)
             _put(other._modules, name, a)
-    mine_cls, theirs_cls = type(gm), type(other)
-    mine_cls.forward, theirs_cls.forward = theirs_cls.forward, mine_cls.forward
 
 
 _MISSING = object()

@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-__all__ = ["Reads", "recording_reads", "is_config", "restore_classes"]
+__all__ = ["Reads", "recording_reads", "is_config", "restore_classes", "note_leaf_modules"]
 
 _MODULE_INTERNALS = frozenset(dir(nn.Module)) | frozenset(nn.Module().__dict__) | {"__dict__"}
 """Names that are torch's bookkeeping, not the model's state (``training``: see above)."""
@@ -225,3 +225,17 @@ def recording_reads(model: nn.Module) -> Iterator[Reads]:
         if _active and _active[-1] is reads:
             _active.pop()
         _restore_classes(swapped)
+
+
+def note_leaf_modules(reads: Reads, model: nn.Module, gm: torch.fx.GraphModule) -> None:
+    """The symbolic capture keeps some layers whole (``self.drop(x)`` calls a copy of the
+    model's ``Dropout``), so their forward runs at each call and reads their attributes then:
+    note each such layer's whole state as read (its copy holds the values it had)."""
+    for node in gm.graph.find_nodes(op="call_module"):
+        try:
+            module = model.get_submodule(str(node.target))
+        except AttributeError:
+            continue
+        for name, value in module.__dict__.items():
+            if name not in _MODULE_INTERNALS and not name.startswith("__"):
+                reads.found(module, "__dict__", name, value)

@@ -7,7 +7,8 @@ graph), ``policy/`` (which op runs in which precision), ``passes/`` (the graph r
 ``runtime/`` (what converted graphs call), ``graph/`` (node facts shared by the passes),
 ``audit/`` (what ran, in which dtype), ``training/`` (master weights, loss scaling, memory),
 ``precision/`` (error per op against an fp64 shadow; the fp32 search), ``htmlreport/`` (one
-self-contained HTML page), ``cli/``.
+self-contained HTML page), ``cli/``, ``integrations/`` (bridges to the tools people train and
+deploy with, each importing its tool: not imported here).
 """
 
 from . import versions  # first: a torch outside the tested range warns before anything fails

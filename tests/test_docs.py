@@ -4,11 +4,14 @@ page by page, and every relative link points to a file (and heading) that exists
 Each page's Python blocks run in order in one fresh namespace, in a temporary working
 directory, so a later block may use what an earlier one of the same page defined. A block that
 cannot run here (a distributed launch, say) is preceded by the line ``<!-- no-run -->`` and is
-only compiled; output and shell blocks are fenced ```text / ```bash and not run.
+only compiled; one that needs an optional extra is preceded by ``<!-- requires: onnx,
+onnxruntime -->`` and runs where those modules import (compiled elsewhere); output and shell
+blocks are fenced ```text / ```bash and not run.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import warnings
 from pathlib import Path
@@ -19,6 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NO_RUN = "<!-- no-run -->"
+_REQUIRES = re.compile(r"^<!-- requires: ([\w., ]+) -->$")
 _FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)")
 _LINK = re.compile(r"(?<!!)\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
@@ -53,6 +57,16 @@ def _name(path: Path) -> str:
     return str(path.relative_to(ROOT))
 
 
+def _missing_modules(page: Path, line: int) -> list[str]:
+    """The modules a ``<!-- requires: ... -->`` mark before the block at ``line`` names that do
+    not import here."""
+    previous = next((x.strip() for x in reversed(page.read_text().split("\n")[:line - 1])
+                     if x.strip()), "")
+    m = _REQUIRES.match(previous)
+    names = [n.strip() for n in m.group(1).split(",")] if m else []
+    return [n for n in names if importlib.util.find_spec(n) is None]
+
+
 @pytest.mark.parametrize("page", _python_pages(), ids=_name)
 def test_python_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
@@ -64,7 +78,7 @@ def test_python_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.Monke
             if lang != "python":
                 continue
             compiled = compile(code, f"{_name(page)}:{line}", "exec")
-            if not no_run:
+            if not no_run and not _missing_modules(page, line):
                 exec(compiled, namespace)
 
 
@@ -74,6 +88,16 @@ def test_no_run_marks_are_few_and_on_python_blocks() -> None:
              if next(b for b in _blocks(p) if b[0] == line)[1] != "python"]
     assert not wrong, f"{NO_RUN} marks a block that is not ```python: {wrong}"
     assert len(marked) <= 6, f"{len(marked)} blocks are not run: {marked}"
+
+
+def test_requires_marks_are_on_python_blocks() -> None:
+    python_lines = {(p, line) for p in PAGES
+                    for line, lang, _, _ in _blocks(p) if lang == "python"}
+    marks = [(p, i + 1) for p in PAGES for i, x in enumerate(p.read_text().split("\n"))
+             if _REQUIRES.match(x.strip())]
+    wrong = [f"{_name(p)}:{i}" for p, i in marks
+             if not any(q == p and i < line <= i + 2 for q, line in python_lines)]
+    assert not wrong, f"a requires mark is not right above a ```python block: {wrong}"
 
 
 def _slug(heading: str) -> str:

@@ -16,6 +16,7 @@ Layers, lowest first (docs/how-it-works.md shows the same map)::
     audit, training      what ran and in which dtype; master weights, loss scaling, memory
     precision            error per op against an fp64 shadow; the search for fp32 overrides
     htmlreport           one self-contained HTML page of summary, code, decisions and audit
+    integrations         bridges to the tools people train and deploy with (optional extras)
     cli                  the command line
 
 An import guarded by ``if TYPE_CHECKING:`` is for annotations only and never runs; it may point
@@ -43,6 +44,7 @@ LAYERS = [
     {"audit", "training"},
     {"precision"},
     {"htmlreport"},
+    {"integrations"},
     {"cli"},
     {"__main__", "__init__"},
 ]

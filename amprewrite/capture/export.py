@@ -36,6 +36,7 @@ higher-order ops. They are inlined, their nodes tagged with the region (``REGION
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 import warnings
 from typing import Any, Iterator
@@ -74,7 +75,7 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
         faithful: record dtype conversions and device moves as eager runs them (see
             :class:`_FaithfulConversions`); off for O0, which keeps the graph as exported.
     """
-    shapes = _auto_dynamic_shapes(args, kwargs) if dynamic else None
+    shapes = _auto_dynamic_shapes(model, args, kwargs) if dynamic else None
     try:
         ep = _export(model, args, kwargs, shapes, regime, faithful)
     except Exception as exc:
@@ -188,7 +189,13 @@ def _capture_error(model: nn.Module, exc: BaseException) -> AmpRewriteError:
         "amprewrite.compile(model) (a torch.compile backend) instead.")
 
 
-def _auto_dynamic_shapes(args: tuple, kwargs: dict[str, Any] | None) -> Any:
+def _auto_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None) -> Any:
+    """Every dimension of every positional tensor input left to torch.export (``Dim.AUTO``),
+    keyed by the forward's parameter names, so that a ``*args`` forward (a PEFT model's) takes
+    them too. None (static shapes) with keyword inputs: torch.export's input check of a
+    ``**kwargs`` forward can name inputs by paths its own check function does not define
+    (``NameError: name 'L'`` at the first call, torch 2.14), and where the inputs do not bind
+    to the signature."""
     auto = torch.export.Dim.AUTO
 
     def spec(x: Any) -> Any:
@@ -201,8 +208,12 @@ def _auto_dynamic_shapes(args: tuple, kwargs: dict[str, Any] | None) -> Any:
         return None
 
     if kwargs:
-        return None  # mixing positional and keyword specs: keep shapes static
-    return tuple(spec(a) for a in args)
+        return None
+    try:
+        bound = inspect.signature(model.forward).bind(*args)
+    except (TypeError, ValueError):
+        return tuple(spec(a) for a in args)
+    return {name: spec(value) for name, value in bound.arguments.items()}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ torch thread:
 * the weight read that starts a converted forward of the launch-bound model (200 tensors,
   100 of them handed over as cached bf16 copies in inference, or as O2's stored copies), in
   inference and grad mode;
-* O2's refresh of the stored low-precision copies of the launch-bound model (100 copies):
-  ``LowPrecisionCopies.refresh`` whole, and the ``torch._foreach_copy_`` inside it alone.
+* O2's stored low-precision copies of the launch-bound model (100 copies): marking them
+  stale after a step (``LowPrecisionCopies.mark_stepped``, what ``MasterWeights`` does), their
+  refresh (``LowPrecisionCopies.refresh`` whole) and the ``torch._foreach_copy_`` inside it.
 
     python benchmarks/bench_calls.py
 """
@@ -135,12 +136,14 @@ def main(argv: list[str] | None = None) -> None:
               f"{_us(read, fetch, args.number, args.repeat):.0f} µs in grad mode")
     refresh = _refresh_env(*converted["O2"])
     n = len(refresh["copies"])
-    whole = _us("store.refresh(masters)", refresh, args.number // 10, args.repeat)
+    whole = _us("store.refresh()", refresh, args.number // 10, args.repeat)
+    marked = _us("store.mark_stepped(masters)", refresh, args.number // 10, args.repeat)
     with torch.no_grad():
         alone = _us("torch._foreach_copy_(copies, sources)", refresh, args.number // 10,
                     args.repeat)
-    print(f"O2 refresh of {n} copies (launch-bound model): {whole:.0f} µs, of which "
-          f"_foreach_copy_ {alone:.0f} µs")
+    print(f"O2 copies of the launch-bound model ({n}): marked stale after a step "
+          f"{marked:.0f} µs; refreshed all at once {whole:.0f} µs, of which _foreach_copy_ "
+          f"{alone:.0f} µs")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 ``bench_speed.py`` times a whole training step; this splits it, for each variant, into the
 forward with the loss (under autocast for ``autocast``), ``loss.backward()``, and
-``optimizer.step()`` with ``zero_grad()`` (for O2 the step includes the refresh of the
-stored low-precision copies). The variants, optimizer and learning rate are those of
+``optimizer.step()`` with ``zero_grad()`` (for O2 the step marks the stored low-precision
+copies stale; the next forward rewrites them). The variants, optimizer and learning rate are those of
 ``bench_speed.py``; the steps of all variants are interleaved, round by round in a rotated
 order, and each phase's ratio to autocast is the median over rounds of autocast's time for
 that phase divided by the variant's (above 1: faster than autocast).

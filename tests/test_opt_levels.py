@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -9,7 +10,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from _counting import CountingDict
 
 import amprewrite
 from amprewrite import AmpRewriteError, Policy
@@ -194,11 +194,11 @@ def test_o2_copies_follow_fused_steps_and_loads() -> None:
     store = getattr(gm, LOW_COPIES_ATTR)
     gm(X).sum().backward()
     opt.step()
+    with torch.no_grad():
+        gm(X)  # the step marked the copies stale; the forward rewrites them
     pairs = store.copies()
     assert len(pairs) == 4
     assert all(torch.equal(copy_, master.detach().to(torch.bfloat16)) for master, copy_ in pairs)
-    with torch.no_grad():
-        gm(X)
     # load_state_dict writes in place: the next forward notices
     other = Net()
     torch.nn.init.constant_(other.fc1.weight, 0.5)
@@ -249,74 +249,50 @@ def _copies_match(store: LowPrecisionCopies, dtype: torch.dtype) -> bool:
     return all(torch.equal(c, m.detach().to(dtype)) for m, c in store.copies())
 
 
-def test_o2_refresh_plan_skips_per_weight_lookups_until_a_master_changes() -> None:
-    """A step's refresh reuses the plan made by the one before: no lookup per weight while
-    the store and the masters stay as they were; new storage, a new shape, a new autograd role
-    or a new entry each make it plan again, and the copies always equal the masters cast."""
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+@pytest.mark.parametrize("kept", [False, True], ids=["default", "cache_weights"])
+def test_o2_a_training_step_casts_each_weight_once(fused: bool, kept: bool) -> None:
+    """The step marks the copies stale and copies nothing; the next forward brings every copy
+    up to date (its rewrite, or the step count inside cache_weights): one cast of each weight
+    per step, and the copies equal the masters cast, fused optimizers (no version counter)
+    included."""
     bf16 = torch.bfloat16
     model = Net()
     gm = amprewrite.convert(model, (X,), opt_level="O2", dtype=bf16)
-    opt = torch.optim.SGD(gm.parameters(), lr=0.1)
+    opt = torch.optim.AdamW(gm.parameters(), lr=0.1, fused=fused, foreach=not fused)
     amprewrite.MasterWeights(gm, opt)
     store = getattr(gm, LOW_COPIES_ATTR)
-
-    def step() -> int:
-        """A training step; how many reads of the store's entries its refresh made."""
-        opt.zero_grad()
-        gm(X).float().square().mean().backward()
-        store._entries = CountingDict(store._entries)
-        opt.step()
-        return store._entries.reads
-
-    assert step() > 0 and len(store._plans) == 1  # the first step plans
-    assert _copies_match(store, bf16)
-    copies = {id(m): c for m, c in store.copies()}
-    assert step() == 0 and _copies_match(store, bf16)
-    assert all(c is copies[id(m)] for m, c in store.copies())  # rewritten in place
-    assert torch.is_grad_enabled()  # the refresh's grad-mode switch is undone
-
-    w = model.fc1.weight
-    w.data = torch.randn(16, 8)  # new storage, same shape: the forward remakes its copy
-    assert step() > 0 and _copies_match(store, bf16)
-    assert step() == 0  # planned again
-
-    with torch.no_grad():
-        w.data = torch.randn(8, 16).t()  # same shape and storage size, new strides
-    assert step() > 0 and _copies_match(store, bf16)
-    # a master given new storage between a forward and the step: the refresh notices
-    gm(X).float().square().mean().backward()
-    model.fc2.weight.data = torch.randn(4, 16)
-    store._entries = CountingDict(store._entries)
-    opt.step()
-    assert store._entries.reads > 0 and _copies_match(store, bf16)
-
-    model.fc2.bias.requires_grad_(False)  # a new autograd role: its copy is remade, frozen
-    assert step() > 0 and _copies_match(store, bf16)
-    assert next(c for m, c in store.copies() if m is model.fc2.bias).grad_fn is None
-    assert step() == 0
+    with amprewrite.cache_weights(gm) if kept else contextlib.nullcontext():
+        for _ in range(3):
+            gm(X).float().square().mean().backward()
+            with _Ops() as step:
+                opt.step()
+            opt.zero_grad()
+            assert "_foreach_copy_" not in step.ops and "_to_copy" not in step.ops
+            with _Ops() as forward:
+                gm(X).float().square().mean().backward()
+            opt.zero_grad()
+            assert forward.ops.count("_foreach_copy_") == 1  # all four copies, one call
+            assert _copies_match(store, bf16)
+    assert torch.is_grad_enabled()
 
 
-def test_o2_refresh_plan_is_dropped_when_a_master_dies() -> None:
+def test_o2_refresh_rewrites_every_copy_in_place() -> None:
     bf16 = torch.bfloat16
     store = LowPrecisionCopies()
     # NB: frozen masters: a trained master's copy keeps it alive through its autograd node
     masters = [torch.randn(4), torch.randn(3)]
-    store.get_many(masters, bf16)
-    store.refresh(masters)
-    assert len(store._plans) == 1
-    del masters[0]  # its id may go to another tensor: no plan may match it any more
-    assert not store._plans
-    masters.insert(0, torch.randn(5))
-    store.get_many(masters, bf16)
+    copies = store.get_many(masters, bf16)
     with torch.no_grad():
         masters[0].add_(1)
         masters[1].add_(1)
-    store.refresh(masters)
+    store.refresh()
     assert all(torch.equal(store.get(m, bf16), m.detach().to(bf16)) for m in masters)
+    assert all(store.get(m, bf16) is c for m, c in zip(masters, copies))
     with torch.inference_mode():  # the copies are normal tensors, rewritten outside it
         with torch.no_grad():
             masters[1].add_(1)
-        store.refresh(masters)
+        store.refresh()
     assert torch.equal(store.get(masters[1], bf16), masters[1].detach().to(bf16))
     assert not store.get(masters[1], bf16).is_inference()
 
@@ -342,6 +318,8 @@ def test_o2_store_lets_a_replaced_trained_master_go() -> None:
     assert old().requires_grad and store.copies()[0][1].grad_fn is not None
     gm.fc1.weight = nn.Parameter(torch.randn(16, 8))
     train_step()
+    with torch.no_grad():
+        gm(X)  # the copies of the last step's masters, brought up to date
     gc.collect()
     assert old() is None
     linears = [gm.fc1.weight, gm.fc1.bias, gm.fc2.weight, gm.fc2.bias]  # the norm stays fp32

@@ -25,22 +25,22 @@ fp32, ``GradScaler.unscale_`` and clipping see fp32 gradients, and
 every forward can backpropagate through it; a forward adds nothing for the weights, neither a
 cast nor an autograd node.
 
-Refresh: after a step the copies are rewritten *in place*, all of them by one
-``torch._foreach_copy_`` (one call instead of a cast, an autograd node and an allocation per
-weight), and keep their autograd nodes. Which copies an optimizer's masters have, and the
-master state they were made for, is kept as a plan per list of masters (:class:`_Plan`), so
-that a step's refresh is three list comparisons and the batched copy rather than a lookup
-and a check per weight (``benchmarks/bench_phases.py``, step column). Like the fp32
-parameters that the optimizer itself updates in place, a copy that a graph saved for
-backward thus moves to a new version, and a backward through a graph recorded before the
-step fails with autograd's "modified by an inplace operation" error, exactly as it would in
-fp32 training; the usual order (forward, backward, step) is unaffected.
+Refresh: a step makes the copies of its masters stale (:meth:`LowPrecisionCopies.mark_stepped`,
+from :class:`amprewrite.MasterWeights`' post-step hook), and the next forward brings them up to
+date: outside :func:`amprewrite.cache_weights` by the rewrite every forward makes anyway, inside
+it because the count of optimizer steps moved (:meth:`LowPrecisionCopies.refresh`, one
+``torch._foreach_copy_`` for all). So a training step casts each weight once, not once in the
+step and again in the forward. Copies are rewritten *in place* and keep their autograd nodes.
+Like the fp32 parameters that the optimizer updates in place, a copy that a graph saved for
+backward moves to a new version at the step, and a backward through a graph recorded before
+the step fails with autograd's "modified by an inplace operation" error, exactly as it would
+in fp32 training; the usual order (forward, backward, step) is unaffected.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, NamedTuple
+from typing import Any
 
 import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
@@ -60,9 +60,8 @@ class _Entry:
 
     __slots__ = ("master", "version", "data_ptr", "shape", "requires_grad", "copy", "alias")
 
-    def __init__(self, master: torch.Tensor, copy: torch.Tensor,
-                 on_death: Callable[[weakref.ref], None]) -> None:
-        self.master = weakref.ref(master, on_death)
+    def __init__(self, master: torch.Tensor, copy: torch.Tensor) -> None:
+        self.master = weakref.ref(master)
         self.version = master._version
         self.data_ptr = master.data_ptr()
         self.shape = master.shape
@@ -76,32 +75,6 @@ class _Entry:
         autograd role (a remade parameter, ``p.data = t`` or ``requires_grad_`` need a new one)."""
         return (self.data_ptr == master.data_ptr() and self.shape == master.shape
                 and self.requires_grad == master.requires_grad)
-
-
-class _Plan(NamedTuple):
-    """The refresh of one list of masters: which of them have stored copies, and the state
-    (storage, shape, autograd role) those masters had when the plan was made. Valid while
-    the store's entries stay as they are (any new, remade or dead entry drops every plan) and
-    each master still has that state."""
-
-    indices: list[int]
-    """Positions, in the list of masters, of those with a stored copy."""
-    entries: list[_Entry]
-    copies: list[torch.Tensor]
-    data_ptrs: list[int]
-    shapes: list[torch.Size]
-    requires_grads: list[bool]
-
-
-def _plan_dropper(store: "LowPrecisionCopies") -> Callable[[weakref.ref], None]:
-    store_ref = weakref.ref(store)  # NB: weak, so that the entries' callbacks keep no store
-
-    def drop(_: weakref.ref) -> None:
-        owner = store_ref()
-        if owner is not None:
-            owner._plans.clear()  # a dead master's id may go to another tensor
-
-    return drop
 
 
 def _tracing(master: torch.Tensor) -> bool:
@@ -129,10 +102,6 @@ class LowPrecisionCopies:
 
     def __init__(self) -> None:
         self._entries: dict[tuple[int, torch.dtype], _Entry] = {}
-        self._plans: dict[tuple[int, ...], _Plan] = {}
-        """Refresh plans by the ids of their list of masters; cleared whenever an entry is
-        made, remade or loses its master."""
-        self._on_death = _plan_dropper(self)
         self.bindings = 0
         """How many :class:`amprewrite.MasterWeights` refresh these copies after steps."""
         self.kept = 0
@@ -218,8 +187,6 @@ class LowPrecisionCopies:
         unread = [key for key in self._entries if key[1] == dtype and key[0] not in read]
         for key in unread:
             del self._entries[key]
-        if unread:
-            self._plans.clear()
 
     def _current(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self._current_many([master], dtype)[0]
@@ -240,49 +207,32 @@ class LowPrecisionCopies:
                     copies = cast_batch([m for _, m in group], dtype)
                     made += [(key, m, c) for (key, m), c in zip(group, copies)]
         for key, master, copy in made:
-            self._entries[key] = _Entry(master, copy, self._on_death)
-        self._plans.clear()
+            self._entries[key] = _Entry(master, copy)
 
-    def refresh(self, masters: list[torch.Tensor] | None = None) -> None:
-        """Recompute the copies of ``masters`` (all stored ones when None) from their
-        current values, whatever their version counters say."""
-        # Up to date for the optimizer steps counted so far: after a refresh of all copies,
-        # or of one optimizer's masters right after its step when no other step came between
-        # (MasterWeights' post-step hook; the count moved by one in its pre-step hook).
-        steps = steps_taken()
-        if masters is None or self.steps == steps - 1:
-            self.steps = steps
-        if masters is not None:
-            planned = tuple(map(id, masters))
-            plan = self._plans.get(planned)
-            if plan is not None:
-                sources = [masters[i] for i in plan.indices]
-                # NB: _Entry.fits of each, as three list comparisons.
-                if [m.data_ptr() for m in sources] == plan.data_ptrs and \
-                        [m.shape for m in sources] == plan.shapes and \
-                        [m.requires_grad for m in sources] == plan.requires_grads:
-                    self._rewrite(plan.entries, plan.copies, sources)
-                    return
-        wanted = None if masters is None else {id(m) for m in masters}
+    def mark_stepped(self, masters: list[torch.Tensor]) -> None:
+        """An optimizer has just updated ``masters``: their copies are stale, and the next
+        forward brings them up to date (outside :func:`amprewrite.cache_weights` every forward
+        rewrites its copies anyway; inside, the step count it checks has moved). Nothing is
+        copied now: a copy here and another in the forward would cast every weight twice per
+        step. The copies' version counters move now, as the masters' do, so a backward through
+        a graph recorded before the step raises autograd's "modified by an inplace operation"
+        error, as in fp32 training."""
+        wanted = {id(m) for m in masters}
+        torch.autograd.graph.increment_version(
+            [entry.copy for key, entry in self._entries.items() if key[0] in wanted])
+
+    def refresh(self) -> None:
+        """Recompute every copy from its master's current value, whatever the version
+        counters say (one batched copy), and count the steps taken so far as seen."""
+        self.steps = steps_taken()
         stale = []
         for key, entry in list(self._entries.items()):
             master = entry.master()
             if master is None:
                 del self._entries[key]
-            elif wanted is None or key[0] in wanted:
+            else:
                 stale.append((key, entry, master))
         self._update(stale)
-        if masters is not None:
-            self._plans[planned] = self._plan(masters, [k for k, _, _ in stale])
-
-    def _plan(self, masters: list[torch.Tensor], keys: list[tuple[int, torch.dtype]]) -> _Plan:
-        """The plan for ``masters``, whose copies are up to date under ``keys``."""
-        position = {id(m): i for i, m in enumerate(masters)}
-        entries = [self._entries[k] for k in keys]
-        sources = [masters[position[k[0]]] for k in keys]
-        return _Plan([position[k[0]] for k in keys], entries, [e.copy for e in entries],
-                     [m.data_ptr() for m in sources], [m.shape for m in sources],
-                     [m.requires_grad for m in sources])
 
     @staticmethod
     def _rewrite(entries: list[_Entry], copies: list[torch.Tensor],

@@ -92,7 +92,7 @@ class MasterWeights:
         self._closed = False
 
     def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        self._store.refresh(held_tensors([optimizer]))
+        self._store.mark_stepped(held_tensors([optimizer]))
 
     def refresh(self) -> None:
         """Recompute every low-precision copy from its fp32 master now."""

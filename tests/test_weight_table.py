@@ -58,12 +58,10 @@ def test_the_read_follows_replaced_and_moved_tensors() -> None:
     with torch.no_grad():
         gm(X)  # fills the cast cache
     fc = gm.get_submodule("fcs.1")
-    fc.weight = nn.Parameter(torch.randn(8, 8))  # a new parameter in the same place
-    del gm.norm.bias
-    gm.norm.bias = torch.full((8,), 2.0)  # a plain attribute where a parameter was
-    model.fcs[1].weight = fc.weight
-    del model.norm.bias
-    model.norm.bias = gm.norm.bias
+    fc.weight = nn.Parameter(torch.randn(8, 8))  # replaced on the converted module...
+    assert model.fcs[1].weight is fc.weight  # ...is the model's: they hold one dict
+    model.norm.bias = nn.Parameter(torch.full((8,), 2.0))  # replaced on the model
+    model.fcs[0]._parameters["bias"] = torch.ones(8)  # written straight into the dict
     with torch.no_grad():
         assert torch.equal(gm(X), _autocast(model))
 

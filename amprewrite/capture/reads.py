@@ -37,7 +37,7 @@ import contextlib
 import dataclasses
 import sys
 import types
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -157,21 +157,21 @@ def _recording_class(cls: type) -> type:
     sub = _RECORDING.get(cls)
     if sub is not None:
         return sub
-    base_getattribute: Callable[[Any, str], Any] = cls.__getattribute__
-    base_getattr: Callable[[Any, str], Any] | None = getattr(cls, "__getattr__", None)
+    # NB: the parent's methods are looked up at each call, not once here: the symbolic tracer
+    # replaces nn.Module.__getattr__ while it traces (to hand out proxies for parameters).
 
     def __getattribute__(self: nn.Module, name: str) -> Any:
-        value = base_getattribute(self, name)
+        value = cls.__getattribute__(self, name)
         if _active:
             _note_getattribute(self, name, value)
         return value
 
     namespace: dict[str, Any] = {"__slots__": (), "__getattribute__": __getattribute__,
                                  "__module__": cls.__module__, "__qualname__": cls.__qualname__}
-    if base_getattr is not None:
+    if hasattr(cls, "__getattr__"):
         def __getattr__(self: nn.Module, name: str) -> Any:
             try:
-                value = base_getattr(self, name)
+                value = cls.__getattr__(self, name)  # type: ignore[attr-defined]
             except AttributeError:
                 if _active:
                     _note_getattr(self, name, None, found=False)

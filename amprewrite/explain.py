@@ -37,7 +37,7 @@ from .graph.meta import META_KEY, cast_info, decision, fp8_step
 from .graph.queries import module_paths
 from .graph.subgraphs import nodes_with_bodies
 from .policy.tables import OpCategory
-from .summary import graph_facts, policy_of, short_dtype, summary_lines
+from .summary import graph_facts, policy_of, precision_of, short_dtype, summary_lines
 
 __all__ = ["explain", "explain_records", "decision_tables", "converted_graphs", "short_dtype"]
 
@@ -88,7 +88,7 @@ def _fp8_row(node: fx.Node) -> dict[str, Any] | None:
             "rule": step.rule, "casts": [a.name for a in node.all_input_nodes
                                          if (q := fp8_step(a)) is not None
                                          and q.role == "quantize"],
-            "guarded": False, "module": _module_of(node), "float": True}
+            "guarded": False, "module": _module_of(node), "float": True, "precision": "fp8"}
 
 
 def _module_of(node: fx.Node) -> str:
@@ -98,7 +98,7 @@ def _module_of(node: fx.Node) -> str:
     return paths[-1] if paths else ""
 
 
-def _row(node: fx.Node) -> dict[str, Any] | None:
+def _row(node: fx.Node, low: torch.dtype) -> dict[str, Any] | None:
     if fp8_step(node) is not None:
         return _fp8_row(node)
     rec = decision(node)
@@ -124,6 +124,7 @@ def _row(node: fx.Node) -> dict[str, Any] | None:
         "guarded": rec.guarded,
         "module": _module_of(node),
         "float": _computes_on_floats(rec.op, val, "val" in node.meta),
+        "precision": precision_of(node, low),
     }
 
 
@@ -164,25 +165,32 @@ def explain_records(target: Any) -> list[dict[str, Any]]:
     not captured yet (the module was never switched to it) is named by
     ``"not_captured_yet"``; the rows are then the captured mode's, without ``"mode"``.
 
-    Each row names its innermost ``"module"`` and whether it is ``"float"`` compute (an op
-    on floating tensors that is not a view or reshape); ``"facts"`` is
+    Each row names its innermost ``"module"``, whether it is ``"float"`` compute (an op
+    on floating tensors that is not a view or reshape) and its ``"precision"`` (``"low"``,
+    ``"fp32"``, ``"passthrough"``, as :func:`amprewrite.summary.precision_of`, or
+    ``"fp8"``); ``"facts"`` is
     :func:`amprewrite.summary.graph_facts`."""
     out = []
     for title, gm in converted_graphs(target):
-        rows = [r for r in map(_row, nodes_with_bodies(gm)) if r is not None]
+        low = policy_of(gm)[1]  # type: ignore[index]  # converted_graphs checked it
+        rows = _rows(gm, low)
         facts = graph_facts(gm)
         record = {"graph": title, "policy": facts["policy"], "low_dtype": facts["low_dtype"],
                   "hardware": facts["hardware"], "fast_low_dtype": facts["fast_low_dtype"],
                   "facts": facts, "nodes": rows, "summary": _summary(gm, rows)}
         if mode_graphs(gm):
-            _add_modes(record, gm)
+            _add_modes(record, gm, low)
         elif pending_mode(gm) is not None:
             record["not_captured_yet"] = mode_name(bool(pending_mode(gm)))
         out.append(record)
     return out
 
 
-def _add_modes(record: dict[str, Any], gm: fx.GraphModule) -> None:
+def _rows(gm: fx.GraphModule, low: torch.dtype) -> list[dict[str, Any]]:
+    return [r for r in (_row(n, low) for n in nodes_with_bodies(gm)) if r is not None]
+
+
+def _add_modes(record: dict[str, Any], gm: fx.GraphModule, low: torch.dtype) -> None:
     """Merge the rows of both modes' graphs, each marked with the mode it belongs to where
     the two differ (in the order of the graphs, as a diff aligns them)."""
     per_mode: dict[str, list[dict[str, Any]]] = {}
@@ -193,7 +201,7 @@ def _add_modes(record: dict[str, Any], gm: fx.GraphModule) -> None:
             record["modes"][name] = {"not_captured": graph.meta[NOT_CAPTURED_KEY]}
             per_mode[name] = []
             continue
-        per_mode[name] = [r for r in map(_row, nodes_with_bodies(graph)) if r is not None]
+        per_mode[name] = _rows(graph, low)
         record["modes"][name] = _summary(graph, per_mode[name])
     current = record["modes"][mode_name(gm.training)]
     if "not_captured" not in current:

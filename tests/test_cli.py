@@ -84,7 +84,13 @@ def test_demo(tmp_path: Path) -> None:
     assert "masking, not overflow: " in out
     risk = out[out.index("fp16 headroom (bits)"):].splitlines()[2]
     assert " pow " in risk and "backward" in risk
-    assert "<table class='sortable'>" in (tmp_path / "demo.html").read_text()
+    page = (tmp_path / "demo.html").read_text()
+    assert "<table class='sortable filterable'>" in page and "<svg class='ranges'" in page
+    # the measurements in words, above 1 = faster
+    assert re.search(r"<th>speed</th><td><b class='\w+'>(\d+(\.\d+)?x (faster|slower) than|as "
+                     r"fast as)</b> torch.autocast", page)
+    assert re.search(r"<th>memory</th><td><b class='\w+'>(\d+% (less|more) memory than|the "
+                     r"same memory as)</b> torch.autocast", page)
     # a HF Llama: 7 projections and the LM head in bf16 (their weights read in one call, each
     # cast where it is used), the attention's two matmuls too; its own softmax(dtype=float32)
     # kept
@@ -175,10 +181,10 @@ def test_html_from_explain_and_audit(project: Path, capsys) -> None:
     out = capsys.readouterr().out
     assert out.startswith("== summary ==") and "amprewrite audit:" in out
     page = (project / "audit.html").read_text()
-    assert "gradient magnitudes" in page and "every op" in page
+    assert "gradients: share of values" in page and "every op" in page
     assert main(["explain", "userfactories:mlp", "--html", "explain.html"]) == 0
-    assert "class='cast'" in (project / "explain.html").read_text() or \
-        "class='dt-low cast'" in (project / "explain.html").read_text()
+    assert re.search(r"<span class='ln dt-\w+ cast' data-node=",
+                     (project / "explain.html").read_text())
 
 
 def test_audit_refuses_compile_capture(project: Path, capsys) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import expecttest
 import pytest
@@ -128,9 +129,10 @@ def test_records_are_json_ready() -> None:
     assert again["nodes"][0] == {
         "node": "linear", "op": "linear", "category": "lower", "dtype": "bf16", "out": "bf16",
         "rule": "default table", "casts": ["x_bf16", "lin_weight_bf16", "lin_bias_bf16"],
-        "guarded": False, "module": "lin", "float": True}
+        "guarded": False, "module": "lin", "float": True, "precision": "low"}
     assert again["summary"]["per_dtype"] == {"bf16": 2, "f32": 2, "passthrough": 1}
     assert again["facts"]["ops"] == {"low": 2, "fp32": 2, "passthrough": 1}
+    assert Counter(r["precision"] for r in again["nodes"]) == again["facts"]["ops"]
     assert again["facts"]["model"] == "Small" and again["facts"]["cast_nodes"] == 6
 
 

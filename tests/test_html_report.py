@@ -1,14 +1,82 @@
-"""amprewrite.html_report: one self-contained page, checked with the stdlib HTML parser."""
+"""amprewrite.html_report: one self-contained page, checked with the stdlib HTML parser (the
+layout and the script run in a real browser in test_html_browser.py)."""
 
 from __future__ import annotations
 
+import math
+import re
+from collections import Counter
 from html.parser import HTMLParser
+from typing import Any, Iterator
 
+import pytest
 import torch
 import torch.nn as nn
 
 import amprewrite
+from amprewrite.audit.records import OpRecord
 from amprewrite.code_view import code_lines
+from amprewrite.explain import explain_records
+from amprewrite.htmlreport.overview import memory_words, speed_words
+from amprewrite.htmlreport.ranges import range_chart
+from amprewrite.summary import graph_facts
+
+_VOID = {"meta", "input", "wbr", "br", "img", "hr"}
+
+
+class Element:
+    def __init__(self, tag: str, attrs: dict[str, str | None], parent: "Element | None"):
+        self.tag, self.attrs, self.parent = tag, attrs, parent
+        self.children: list[Element] = []
+        self.parts: list[str] = []
+
+    @property
+    def classes(self) -> list[str]:
+        return (self.attrs.get("class") or "").split()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def iter(self, tag: str | None = None, cls: str | None = None) -> Iterator["Element"]:
+        for child in self.children:
+            if (tag is None or child.tag == tag) and (cls is None or cls in child.classes):
+                yield child
+            yield from child.iter(tag, cls)
+
+    def find(self, tag: str | None = None, cls: str | None = None) -> "Element":
+        return next(self.iter(tag, cls))
+
+
+class Page(HTMLParser):
+    """The page as a tree of elements; ``text`` of an element includes its descendants'."""
+
+    def __init__(self, page: str) -> None:
+        super().__init__()
+        self.root = self._open = Element("#root", {}, None)
+        self.feed(page)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        element = Element(tag, dict(attrs), self._open)
+        self._open.children.append(element)
+        if tag not in _VOID:
+            self._open = element
+
+    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self._open.children.append(Element(tag, dict(attrs), self._open))
+
+    def handle_endtag(self, tag: str) -> None:
+        element = self._open
+        while element.tag != tag and element.parent is not None:
+            element = element.parent
+        if element.parent is not None:
+            self._open = element.parent
+
+    def handle_data(self, data: str) -> None:
+        element: Element | None = self._open
+        while element is not None:
+            element.parts.append(data)
+            element = element.parent
 
 
 class Attention(nn.Module):
@@ -24,81 +92,315 @@ class Attention(nn.Module):
         return scores.softmax(-1) @ x
 
 
-class Page(HTMLParser):
-    """Collects tags, attributes, the lines of the code block and the cast lines."""
-
+class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.tags: list[tuple[str, dict[str, str | None]]] = []
-        self.code_spans: list[tuple[str, str]] = []  # (classes, text)
-        self.text: list[str] = []
-        self._span: str | None = None
-        self._in_code = False
+        self.lin = nn.Linear(8, 8)
 
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        attrs_d = dict(attrs)
-        self.tags.append((tag, attrs_d))
-        if tag == "pre" and attrs_d.get("class") == "code":
-            self._in_code = True
-        classes = (attrs_d.get("class") or "").split()
-        if tag == "span" and any(c.startswith("dt-") for c in classes) and "data-node" in attrs_d \
-                or tag == "span" and self._in_code:
-            self._span = attrs_d.get("class") or ""
-            self.code_spans.append((self._span, ""))
-
-    def handle_endtag(self, tag: str) -> None:
-        if tag == "span":
-            self._span = None
-        if tag == "pre":
-            self._in_code = False
-
-    def handle_data(self, data: str) -> None:
-        self.text.append(data)
-        if self._span is not None:
-            classes, text = self.code_spans[-1]
-            self.code_spans[-1] = (classes, text + data)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).softmax(-1) * x
 
 
-def _page(report: bool) -> tuple[torch.fx.GraphModule, str, Page]:
+def _page(report: bool, **kwargs: Any) -> tuple[torch.fx.GraphModule, Any, str, Page]:
     x = torch.randn(2, 4, 8, requires_grad=True)
     gm = amprewrite.convert(Attention(), (x,))
     audit_report = None
     if report:
         with amprewrite.audit() as audit_report:
             gm(x).sum().backward()
-    page = amprewrite.html_report(gm, audit_report=audit_report)
-    parser = Page()
-    parser.feed(page)
-    return gm, page, parser
+    page = amprewrite.html_report(gm, audit_report=audit_report, **kwargs)
+    return gm, audit_report, page, Page(page)
+
+
+def _blocks(dtype: torch.dtype) -> tuple[torch.fx.GraphModule, Any, str, Page]:
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    gm = amprewrite.convert(nn.Sequential(Block(), Block()), (x,), dtype=dtype)
+    with amprewrite.audit() as report:
+        gm(x).float().sum().backward()
+    page = amprewrite.html_report(gm, report)
+    return gm, report, page, Page(page)
 
 
 def test_every_node_and_every_cast_line(tmp_path) -> None:
-    gm, page, parser = _page(report=True)
-    text = "".join(parser.text)
+    gm, _, page, parsed = _page(report=True)
+    text = parsed.root.text
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "output"):
             assert node.name in text, node.name
-    casts = [line for line in code_lines(gm) if line.cast]
+    code = parsed.root.find("pre", "code")
+    spans = list(code.iter("span", "ln"))
+    lines = code_lines(gm)
+    # one block per line of gm.code, its newline inside (copied code keeps its lines)
+    assert [s.text for s in spans] == [line.text + "\n" for line in lines]
+    assert code.text == "".join(line.text + "\n" for line in lines)
+    casts = [line.text for line in lines if line.cast]
     assert casts
-    highlighted = [t for classes, t in parser.code_spans if "cast" in classes.split()]
-    assert highlighted == [line.text for line in casts]
-    assert all("cast" not in c.split() for c, t in parser.code_spans
-               if t not in highlighted)
+    assert [s.text.rstrip("\n") for s in spans if "cast" in s.classes] == casts
     assert "dt-low" in page and "dt-f32" in page
-    for title in ("summary", "decisions", "fp16 overflow risk", "every op",
-                  "gradient magnitudes"):
-        assert f"<h2>{title}" in page
-    assert "<table class='sortable'>" in page and "addEventListener('click'" in page
+    for title in ("precision per module", "summary", "decisions", "every op (amprewrite.audit)",
+                  "range against the format"):
+        assert any(h.text.startswith(title) for h in parsed.root.iter("h2")), title
+    assert "closest to fp16 overflow" in parsed.root.find("section").text
+    for details in parsed.root.iter("details", "fold"):  # folded by default
+        assert "open" not in details.attrs
+    assert "<table class='sortable filterable'>" in page and "addEventListener('click'" in page
     path = tmp_path / "r.html"
     assert amprewrite.html_report(gm, path=path) == path.read_text()
 
 
 def test_no_external_resource() -> None:
-    _, page, parser = _page(report=False)
-    for tag, attrs in parser.tags:
-        assert tag != "link", attrs
-        assert not (tag == "script" and "src" in attrs), attrs
-        for key in ("src", "href"):
-            assert key not in attrs, (tag, attrs)
+    gm, _, page, parsed = _page(report=True)
+    for element in parsed.root.iter():
+        assert element.tag != "link", element.attrs
+        for key in ("src", "href", "xlink:href"):
+            assert key not in element.attrs, (element.tag, element.attrs)
     assert "http://" not in page and "https://" not in page and "url(" not in page
-    assert "<h2>summary</h2>" in page and "model: Attention" in page
+    assert "@import" not in page
+    facts = {tr.find("th").text: tr.find("td").text for tr in parsed.root.find(
+        "table", "facts").iter("tr")}
+    ops = graph_facts(gm)["ops"]
+    assert facts["model"] == "Attention" and facts["ops"] == (
+        f"{ops['low']} bf16 · {ops['fp32']} fp32 · {ops['passthrough']} passthrough")
+
+
+def test_summary_in_words() -> None:
+    # above 1 = faster, as in every table: a converted forward of 11.74 ms against
+    # autocast's 9.11 ms is slower
+    assert speed_words(11.74, 9.11) == "1.29x slower than"
+    assert speed_words(9.11, 11.74) == "1.29x faster than"
+    assert speed_words(10.0, 13.0) == "1.3x faster than"
+    assert speed_words(10.0, 10.05) == "as fast as"
+    assert memory_words(179, 183) == "2% less memory than"
+    assert memory_words(110, 100) == "10% more memory than"
+    assert memory_words(1000, 1001) == "the same memory as"
+    measured = {"forward_ms": {"converted": 11.74, "autocast": 9.11},
+                "step_bytes": {"converted": 179 * 1024, "autocast": 183 * 1024},
+                "max_abs_error": {"converted": 1.5e-3, "autocast": 2.5e-3}}
+    _, _, _, parsed = _page(report=False, casts={"converted": 15, "autocast": 18},
+                         vs_autocast=measured, notes=("measured on a busy machine",))
+    rows = {tr.find("th").text: tr.find("td") for tr in parsed.root.find("table", "facts")
+            .iter("tr")}
+    assert rows["speed"].text == ("1.29x slower than torch.autocast (forward 11.74 ms vs "
+                                  "9.11 ms)")
+    assert rows["speed"].find("b").classes == ["bad"]
+    assert rows["memory"].text == ("2% less memory than torch.autocast (training step "
+                                   "179 KiB vs 183 KiB)")
+    assert rows["memory"].find("b").classes == ["good"]
+    assert rows["casts per forward"].text == ("3 fewer than torch.autocast (15 cast kernels "
+                                              "vs 18)")
+    assert rows["error"].text == "max |output − fp32 output| 0.0015 (torch.autocast 0.0025)"
+    notes = [p.text for p in _section(parsed, "summary").iter("p", "note")]
+    assert notes == ["measured on a busy machine"]
+
+
+def _bars(parsed: Page) -> dict[int, dict[str, dict[str, float]]]:
+    """depth -> module -> {precision: width %} of the module charts."""
+    out: dict[int, dict[str, dict[str, float]]] = {}
+    for chart in parsed.root.iter("div", "mchart"):
+        rows = out.setdefault(int(chart.attrs["data-depth"]), {})
+        for row in chart.iter("div", "mrow"):
+            if "data-module" in row.attrs:
+                rows[row.attrs["data-module"]] = {
+                    seg.classes[0][2:]: float(re.search(r"width:([\d.]+)%", seg.attrs["style"])[1])
+                    for seg in row.find("span", "mbar").iter("i")}
+    return out
+
+
+def test_module_bars_per_depth() -> None:
+    gm, _, page, parsed = _blocks(torch.float16)
+    rows = [r for r in explain_records(gm)[0]["nodes"] if r["float"]]
+    bars = _bars(parsed)
+    assert sorted(bars) == [1, 2]  # "0" and "1", then "0.lin", "0", "1.lin", "1"
+    for depth, modules in bars.items():
+        expected: dict[str, Counter] = {}
+        for r in rows:
+            key = ".".join(r["module"].split(".")[:depth])
+            expected.setdefault(key, Counter())[r["precision"]] += 1
+        assert list(modules) == list(expected)  # first appearance first
+        widest = max(sum(c.values()) for c in expected.values())
+        for module, counts in expected.items():
+            assert modules[module] == pytest.approx(
+                {p: 100 * n / widest for p, n in counts.items()}, abs=0.01), module
+    assert bars[1]["0"].keys() == {"low", "fp32", "passthrough"}
+    # the deepest depth with at most 12 rows shows; the others wait for the slider
+    shown = [c.attrs["data-depth"] for c in parsed.root.iter("div", "mchart")
+             if "hidden" not in c.attrs]
+    assert shown == ["2"]
+    assert "<input type='range' id='depth' min='1' max='2' value='2'>" in page
+    row = next(r for r in parsed.root.iter("div", "mrow") if r.attrs.get("data-module") == "0.lin")
+    assert row.attrs["title"] == "0.lin: 1 fp16; 3 cast nodes feed them"
+
+
+class _Svg:
+    """The range chart's geometry, read back: the log axis from two of its tick labels."""
+
+    def __init__(self, parsed: Page) -> None:
+        self.svg = parsed.root.find("svg", "ranges")
+        ticks = [(math.log10(float(t.text)), float(t.attrs["y"]) - 3.5)
+                 for t in self.svg.iter("text", "tick")]
+        (self.a, self.ya), (b, yb) = ticks[0], ticks[-1]
+        self.slope = (yb - self.ya) / (b - self.a)
+
+    def y(self, value: float) -> float:
+        return self.ya + (math.log10(value) - self.a) * self.slope
+
+
+def _section(parsed: Page, id_: str) -> Element:
+    return next(s for s in parsed.root.iter("section") if s.attrs.get("id") == id_)
+
+
+def test_range_chart_lines_and_band() -> None:
+    _, report, page, parsed = _blocks(torch.float16)
+    svg = _Svg(parsed)
+    lines = [ln for g in svg.svg.iter("g", "ops") for ln in g.iter("line")]
+    drawn = [r for r in report.records if r.max_abs is not None]
+    assert len(lines) == len(drawn)
+    ranged = 0
+    for ln, r in zip(lines, drawn):
+        assert ln.find("title").text.startswith(f"#{report.records.index(r)} {r.phase} "
+                                                f"{r.label} in ")
+        kind = {"float16": "low", "float32": "f32"}.get(r.out_dtype, "other")
+        assert ln.classes == [kind]
+        top, bottom = float(ln.attrs["y1"]), float(ln.attrs["y2"])
+        if bottom - top > 3.01:  # single values are drawn 3 px tall
+            assert top == pytest.approx(svg.y(r.max_abs), abs=0.11)
+            assert bottom == pytest.approx(svg.y(min(r.min_nonzero_abs, r.max_abs)), abs=0.11)
+            ranged += 1
+    assert ranged > len(drawn) // 2
+    # fp16's band: normal from 6.1e-5 to 65504, subnormal down to 6e-8, named on the right
+    names = [t.text for t in svg.svg.iter("text", "edge")]
+    assert names == ["fp16 max 65504", "fp16 normal ≥ 6.1e-5", "fp16 subnormal ≥ 6e-8"]
+    normal = [r for r in svg.svg.iter("rect", "band-n") if "x" in r.attrs]
+    assert normal and all(float(r.attrs["y"]) == pytest.approx(svg.y(65504), abs=0.11)
+                          for r in normal)
+    # the gradient histogram on the same axis, each bucket coloured by its fate in fp16
+    hist = report.grad_histogram
+    bars = {b.find("title").text.split(" to ")[0]: b for b in svg.svg.iter("rect") if b.children}
+    fates = {"normal": "h-normal", "subnormal": "h-subnormal", "flush to 0": "h-flush",
+             "overflow": "h-overflow"}
+    assert len(bars) == len(hist.counts)
+    for bucket, n, _, fate in hist.rows():
+        bar = bars[bucket]
+        assert bar.classes == [fates[fate]]
+        assert float(bar.attrs["y"]) == pytest.approx(svg.y(2.0 ** (int(bucket[2:]) + 1)),
+                                                      abs=0.11)
+        assert f": {n} values (" in bar.find("title").text
+    caption = _section(parsed, "ranges").find("p", "note").text
+    assert caption.startswith("Band: fp16's range") and "dotted" not in caption  # no reference
+
+
+def test_fp8_layers_against_e4m3_and_e5m2() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 16))
+    x = torch.randn(16, 32)
+    gm = amprewrite.convert(model, (x,), policy=amprewrite.Policy.fp8())
+    with amprewrite.audit() as report:
+        gm(x).float().pow(2).mean().backward()
+    parsed = Page(amprewrite.html_report(gm, report))
+    assert _bars(parsed)[1]["2"].keys() == {"fp8"}  # the middle linear
+    svg = _Svg(parsed)
+    assert [t.text for t in svg.svg.iter("text", "fp8")] == ["e4m3", "e5m2"]
+    tops = [float(r.attrs["y"]) for r in svg.svg.iter("rect", "band-n")]
+    for fp8_max in (448, 57344):  # e4m3's and e5m2's largest values
+        assert any(t == pytest.approx(svg.y(fp8_max), abs=0.11) for t in tops), fp8_max
+    # the quantized operands reach exactly the fp8 maximum: drawn inside their band
+    quantize = [ln for ln in svg.svg.iter("line", "f32")
+                if " in 2: " in ln.find("title").text and "max |x| 448," in ln.find("title").text]
+    assert quantize
+    caption = _section(parsed, "ranges").find("p", "note").text
+    assert "behind fp8 layers, e4m3's (forward) and e5m2's (backward)" in caption
+
+
+def test_decision_table_folds_plumbing_under_modules() -> None:
+    gm, report, _, parsed = _page(report=True)
+    rows = explain_records(gm)[0]["nodes"]
+    table = next(t for t in parsed.root.iter("table") if "filterable" in t.classes)
+    trs = list(table.find("tbody").iter("tr"))
+    data = [tr for tr in trs if "group" not in tr.classes]
+    assert [tr.find("td").text for tr in data] == [r["node"] for r in rows]
+    assert ["plumbing" in tr.classes for tr in data] == [not r["float"] for r in rows]
+    assert [(tr.attrs["data-module"], tr.attrs["data-category"]) for tr in data] == [
+        (r["module"], r["category"]) for r in rows]
+    # one group row per run of one module, counting the plumbing folded there
+    runs: list[tuple[str, int]] = []
+    for i, r in enumerate(rows):
+        if i == 0 or r["module"] != rows[i - 1]["module"]:
+            runs.append((r["module"], 0))
+        runs[-1] = (runs[-1][0], runs[-1][1] + (not r["float"]))
+    groups = [tr.text for tr in trs if "group" in tr.classes]
+    assert groups == [(m or "(top level)") + (f" ({n} integer/bool/shape node"
+                                              f"{'s' if n != 1 else ''} folded)" if n else "")
+                      for m, n in runs]
+    folded = sum(n for _, n in runs)
+    assert folded and f"{folded} integer/bool/shape nodes folded" in table.parent.text
+    # the filter offers every module and every category of the tables
+    options = {s.attrs["id"]: [o.attrs.get("value", o.text) for o in s.iter("option")]
+               for s in parsed.root.iter("select")}
+    assert options["f-module"] == ["", "(top level)", "q"]
+    assert options["f-category"] == ["", *sorted({r["category"] for r in rows} | {"cast"})]
+    ops = next(t for t in parsed.root.iter("details") if "ops" in t.classes)
+    cast_rows = [tr for tr in ops.iter("tr") if tr.attrs.get("data-category") == "cast"]
+    assert [tr.find("td").text for tr in cast_rows] == [
+        str(i) for i, r in enumerate(report.records) if r.cast]
+    assert cast_rows
+
+
+def test_modes_and_several_graphs(fresh_dynamo: None) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    gm = amprewrite.convert(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).eval(), (x,))
+    gm.train().eval()  # both modes captured: the rows of each, marked
+    parsed = Page(amprewrite.html_report(gm))
+    table = next(t for t in parsed.root.iter("table") if "filterable" in t.classes)
+    assert [th.text for th in table.find("thead").iter("th")][-1] == "mode"
+    modes = {tr.find("td").text: list(tr.iter("td"))[-1].text
+             for tr in table.find("tbody").iter("tr") if "group" not in tr.classes}
+    assert modes["add_"] == "train" and modes["linear"] == "both"
+    # the bars count what a call runs now (eval): not the train mode's own nodes
+    rows = [r for r in explain_records(gm)[0]["nodes"] if r["float"] and r["mode"] != "train"]
+    assert {m: sum(b.values()) for m, b in _bars(parsed)[1].items()} == {
+        m: 100 * n / max(Counter(r["module"] for r in rows).values())
+        for m, n in Counter(r["module"] for r in rows).items()}
+
+    class Break(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.a(x).softmax(-1)
+            torch._dynamo.graph_break()
+            return self.b(y)
+
+    compiled = amprewrite.compile(Break(), eager=True)
+    compiled(x)
+    parsed = Page(amprewrite.html_report(compiled))
+    titles = [h.text for h in parsed.root.iter("h2")]
+    assert titles.count("decisions (graph 0)") == titles.count("decisions (graph 1)") == 1
+    assert "rewritten graph (graph 1)" in titles
+    facts = {tr.find("th").text: tr.find("td").text for tr in parsed.root.find(
+        "table", "facts").iter("tr")}
+    assert facts["ops"] == "2 bf16 · 1 fp32 · 0 passthrough in 2 graphs"
+    assert list(_bars(parsed)[1]) == ["a", "", "b"]
+
+
+def test_range_chart_of_many_ops_draws_groups() -> None:
+    # more ops than the chart has columns for: groups of consecutive ops, drawn as their
+    # envelope (a real model's audit can hold thousands)
+    records = [OpRecord(op="mul", node=f"mul_{i}", module="m", phase="forward",
+                        in_dtypes=("bfloat16",), out_dtype="bfloat16", shape=(4,),
+                        max_abs=2.0 ** (i % 7), min_nonzero_abs=2.0 ** -(i % 5), nonfinite=0,
+                        fp16_overflow=0, fp16_underflow=0) for i in range(1300)]
+    parsed = Page(range_chart(records, torch.bfloat16, set(), None))
+    svg = parsed.root.find("svg", "ranges")
+    lines = list(svg.find("g", "ops").iter("line"))
+    assert len(lines) == math.ceil(1300 / 3)  # groups of 3: at most 600 columns
+    first = lines[0].find("title").text
+    assert first == "ops #0 to #2 (forward, from m): max |x| 4, smallest nonzero |x| 0.25"
+    # bf16's edges lie far off this axis: named at its ends; fp16's drawn for reference
+    labels = [t.text for t in svg.iter("text") if t.classes in (["edge"], ["ref"])]
+    assert labels == ["bf16 max 3.4e38 ↑", "fp16 max 65504", "fp16 normal ≥ 6.1e-5",
+                      "fp16 subnormal ≥ 6e-8", "bf16 normal ≥ 1.2e-38 ↓",
+                      "bf16 subnormal ≥ 9.2e-41 ↓"]

@@ -253,7 +253,7 @@ def _run(args: argparse.Namespace, model: nn.Module, inputs: tuple, kwargs: dict
         from ..htmlreport import html_report
 
         html_report(converted, audit_report=report, path=args.html,
-                    notes=_summary_text(summary, len(graphs) > 1).splitlines())
+                    casts=summary["forward_casts"], vs_autocast=summary.get("vs_autocast"))
     if args.json:
         return out
     out["summary"] = _summary_text(summary, len(graphs) > 1)

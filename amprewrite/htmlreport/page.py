@@ -1,6 +1,12 @@
-"""The page: :func:`html_report` assembles the sections with inline CSS and a few lines of
-inline JavaScript (sortable tables). Everything is in the one file: no network, no link, no
-external script or stylesheet."""
+"""The page: :func:`html_report` assembles the sections with the inline style sheet and script
+of :mod:`.assets`. Everything is in the one file: no network, no link, no external script or
+stylesheet.
+
+First screen: precision per module (:mod:`.modules`) beside the summary and the ops closest
+to fp16 overflow (:mod:`.overview`). Then, with an audit, the range of every op against the
+low dtype's (:mod:`.ranges`); then the decision and op tables, folded, under one filter, and
+the coloured code (:mod:`.sections`).
+"""
 
 from __future__ import annotations
 
@@ -8,105 +14,117 @@ from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+import torch
+
+from ..capture.modes import mode_name
 from ..explain import converted_graphs, explain_records
-from ..summary import graph_facts, summary_lines
-from .sections import code_section, histogram_section, table_section, text_section
+from ..summary import policy_of
+from .assets import CSS, JS
+from .bands import band_of, number
+from .modules import module_chart
+from .overview import risk_table, summary_table
+from .ranges import out_of_band, range_chart
+from .sections import code_section, decision_table, filter_bar, op_table
 
 if TYPE_CHECKING:
     from ..audit.report import AuditReport
 
 __all__ = ["html_report"]
 
-_CSS = """
-body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222}
-pre{font:12px/1.35 ui-monospace,monospace;background:#fafafa;padding:.6em;overflow-x:auto}
-pre.code span{display:block;white-space:pre}
-.dt-low{color:#0a58ca}.dt-f32{color:#a35200}.dt-f64{color:#7a1fa2}.dt-none,.dt-other{color:#777}
-.cast{background:#fff1a8;font-weight:bold}
-table{border-collapse:collapse;font-size:12px}th,td{border:1px solid #ddd;padding:2px 6px}
-th{background:#eee;cursor:pointer;position:sticky;top:0}
-.bar-row{display:flex;align-items:center;font:12px ui-monospace,monospace}
-.bar-label{width:6em;text-align:right;margin-right:.5em}.bar{height:12px;margin-right:.5em}
-.normal{background:#4a90d9}.subnormal{background:#e0a030}.flush{background:#c0392b}
-.overflow{background:#c0392b}
-"""
-
-_JS = """
-document.querySelectorAll('table.sortable th').forEach(function (th, col) {
-  th.addEventListener('click', function () {
-    var body = th.closest('table').tBodies[0], up = th.dataset.dir !== 'up';
-    th.dataset.dir = up ? 'up' : 'down';
-    var key = function (tr) { var t = tr.cells[th.cellIndex].textContent, n = parseFloat(t);
-                              return isNaN(n) ? t : n; };
-    Array.from(body.rows).sort(function (a, b) {
-      var x = key(a), y = key(b), c = (typeof x === typeof y) ? (x < y ? -1 : x > y ? 1 : 0)
-              : (typeof x === 'number' ? -1 : 1);
-      return up ? c : -c; }).forEach(function (tr) { body.appendChild(tr); });
-  });
-});
-"""
-
 _DECISION_COLUMNS = ("node", "module", "op", "category", "dtype", "out", "rule", "casts")
 
 
 def html_report(target: Any, audit_report: "AuditReport | None" = None, *,
-                path: str | Path | None = None, notes: Sequence[str] = ()) -> str:
-    """One self-contained HTML page: the summary, ``gm.code`` coloured by dtype with casts
-    highlighted, the decisions of every node (sortable columns), and, given an
-    :class:`~amprewrite.AuditReport`, its tables and gradient histogram.
+                path: str | Path | None = None, notes: Sequence[str] = (),
+                casts: dict[str, int] | None = None,
+                vs_autocast: dict[str, Any] | None = None) -> str:
+    """One self-contained HTML page of a converted model.
 
-    ``target`` is what :func:`amprewrite.explain` takes. ``notes`` are extra summary lines
-    (the CLI adds its measurements). Returns the HTML; with ``path``, also writes it there.
+    First screen: a bar per module (its float ops by precision, and its casts; a slider
+    sets how deep module names are collapsed) beside the summary (ops, casts, and, when
+    measured, speed and memory against ``torch.autocast`` in words) and, given an
+    :class:`~amprewrite.AuditReport`, the ops closest to fp16 overflow. With the audit,
+    next: every op's |x| range (forward and backward) on a log axis against the low dtype's
+    range, and the gradient histogram on the same axis. Then the decision and op tables,
+    folded, with a filter by module and category (integer/bool/shape plumbing folded as
+    :func:`amprewrite.explain` folds it), and ``gm.code`` coloured by dtype with the casts
+    highlighted.
+
+    ``target`` is what :func:`amprewrite.explain` takes. ``casts`` (from
+    :func:`amprewrite.summary.count_forward_casts`) adds the cast kernels of one forward
+    against ``torch.autocast``'s; ``vs_autocast`` the forward time, training-step memory
+    and error of both (``{"forward_ms": {"converted": ms, "autocast": ms}, "step_bytes":
+    {...}, "max_abs_error": {...}}``, as ``python -m amprewrite demo`` measures them);
+    ``notes`` are extra lines under the summary. Returns the HTML; with ``path``, also
+    writes it there.
     """
     graphs = converted_graphs(target)
-    sections = []
-    lines = list(notes) or [line for _, gm in graphs for line in summary_lines(graph_facts(gm))]
-    sections.append(text_section("summary", lines))
-    for (title, gm), rec in zip(graphs, explain_records(target)):
-        suffix = f" ({title})" if title else ""
-        sections.append(code_section(f"rewritten graph{suffix}", gm))
-        columns = _DECISION_COLUMNS + (("mode",) if "modes" in rec else ())
-        sections.append(table_section(
-            f"decisions{suffix}", columns, [[r[c] for c in columns] for r in rec["nodes"]],
-            "click a column header to sort"))
-    if audit_report is not None:
-        sections += _audit_sections(audit_report)
+    records = explain_records(target)
+    low = policy_of(graphs[0][1])[1]  # type: ignore[index]  # converted_graphs checked it
+    rows = [r for (_, gm), rec in zip(graphs, records) for r in _current_rows(gm, rec)]
+    low_name = band_of(low).name
+    summary = summary_table([rec["facts"] for rec in records], low_name, casts, vs_autocast,
+                            audit_report)
+    summary += "".join(f"<p class='note'>{escape(line)}</p>" for line in notes)
+    risks = risk_table(audit_report) if audit_report is not None else ""
+    body = ["<div class='first'><section id='modules'><h2>precision per module</h2>"
+            f"{module_chart(rows, low_name)}{risks}</section>"
+            f"<section id='summary'><h2>summary</h2>{summary}</section></div>"]
+    fp8_modules = {r["module"] for r in rows if r["precision"] == "fp8"}
+    if audit_report is not None and audit_report.records:
+        body.append(_range_section(audit_report, low, fp8_modules))
+    body.append(_tables(records, rows, audit_report))
+    body += [code_section(f"rewritten graph ({title})" if title else "rewritten graph", gm)
+             for title, gm in graphs]
+    model = escape(records[0]["facts"]["model"])
     page = ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-            "<title>amprewrite report</title><style>" + _CSS + "</style></head><body>"
-            "<h1>amprewrite report</h1>\n" + "\n".join(sections)
-            + "<script>" + _JS + "</script></body></html>\n")
+            f"<title>amprewrite report: {model}</title><style>{CSS}</style></head><body>"
+            f"<header><h1>amprewrite report</h1><span>{model}</span></header><main>\n"
+            + "\n".join(body) + f"</main><script>{JS}</script></body></html>\n")
     if path is not None:
         Path(path).write_text(page, encoding="utf-8")
     return page
 
 
-def _audit_sections(report: "AuditReport") -> list[str]:
-    from ..audit.tables import risk_rows
+def _current_rows(gm: Any, rec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of the graph a call runs now (a module with train and eval graphs has the
+    rows of both in its record, each marked with its mode)."""
+    if "modes" not in rec:
+        return rec["nodes"]
+    return [r for r in rec["nodes"] if r["mode"] in ("both", mode_name(gm.training))]
 
-    s = report.summary()
-    out = [text_section("one training step (amprewrite.audit)", [
-        f"{s['ops']} ops, {s['casts']['count']} casts ({s['casts']['bytes']} bytes)",
-        *(f"{phase}: " + ", ".join(f"{n} {d}" for d, n in per.items())
-          for phase, per in s["ops_per_dtype"].items())])]
-    risk = risk_rows(report)
-    if risk:
-        out.append(table_section("fp16 overflow risk (real risk first; masks apart)",
-                                 ["#", "phase", "op", "node/module", "dtype",
-                                  "max finite |x|", "fp16 headroom"], risk))
-    header = ["#", "phase", "op", "node", "module", "in", "out", "shape", "max|x|",
-              "min|x|>0", "nonfinite", ">f16max", "<f16tiny", "mask values"]
-    rows = [[i, r.phase, r.label, r.node, r.module, ",".join(r.in_dtypes), r.out_dtype,
-             "x".join(map(str, r.shape)), r.max_abs, r.min_nonzero_abs, r.nonfinite,
-             r.fp16_overflow, r.fp16_underflow, r.mask_values]
-            for i, r in enumerate(report.records)]
-    out.append(table_section("every op", header, rows))
-    hist = report.grad_histogram
-    if hist is not None:
-        kinds = {"normal": "normal", "subnormal": "subnormal", "flush to 0": "flush",
-                 "overflow": "overflow"}
-        out.append(histogram_section(
-            "gradient magnitudes (backward op outputs)",
-            [(b, c, kinds[fate]) for b, c, _, fate in hist.rows()],
-            f"max |grad| {hist.max_abs}; recommended static loss scale "
-            f"{hist.recommended_loss_scale}"))
-    return out
+
+def _range_section(report: "AuditReport", low: torch.dtype, fp8_modules: set[str]) -> str:
+    band = band_of(low)
+    fp8 = "; behind fp8 layers, e4m3's (forward) and e5m2's (backward)" if fp8_modules else ""
+    ref = "" if band.name == "fp16" else "; dotted: fp16's edges"
+    caption = (f"Band: {band.name}'s range, dark where its values are normal (from "
+               f"{number(band.normal)} to {number(band.max)}), light where subnormal (down to "
+               f"{number(band.smallest)}){fp8}{ref}. Lines: the dtype an op produced, blue "
+               "low precision, orange fp32, grey other; red mark: inf/NaN. Hover a line "
+               "for its op.")
+    found = out_of_band(report.records, low, fp8_modules)
+    if band.name != "fp16":
+        found += " Against fp16: " + out_of_band(report.records, torch.float16, fp8_modules)
+    return (f"<section id='ranges'><h2>range against the format: every op's |x| and "
+            f"{band.name}'s range</h2><p class='note'>{escape(caption)}</p>"
+            f"{range_chart(report.records, low, fp8_modules, report.grad_histogram)}"
+            f"<p>{escape(found)}</p></section>")
+
+
+def _tables(records: list[dict[str, Any]], rows: list[dict[str, Any]],
+            report: "AuditReport | None") -> str:
+    modules = [r["module"] for r in rows] + [
+        r.module for r in (report.records if report is not None else ()) if r.module]
+    categories = sorted({r["category"] for r in rows}
+                        | ({"cast"} if report is not None and any(r.cast for r in report.records)
+                           else set()))
+    parts = ["<section id='tables'>", filter_bar(modules, categories)]
+    for rec in records:
+        columns = _DECISION_COLUMNS + (("mode",) if "modes" in rec else ())
+        title = f"decisions ({rec['graph']})" if rec["graph"] else "decisions"
+        parts.append(decision_table(title, columns, rec["nodes"]))
+    if report is not None:
+        category_of = {r["node"]: r["category"] for r in rows}
+        parts.append(op_table(report.records, category_of))
+    return "".join(parts) + "</section>"

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
+from ..capture.calling import generated_code
 from ..graph.meta import cast_info
 from ..graph.queries import module_paths
 from ..runtime.weight_table import is_fetch
@@ -114,7 +115,7 @@ class Attribution:
         meta = getattr(module, "meta", None)
         if isinstance(module, torch.fx.GraphModule) and isinstance(meta, dict) \
                 and "amprewrite_policy" in meta:
-            code = type(module).forward.__code__
+            code = generated_code(module)
             if code not in self._graphs:
                 self._graphs[code] = _GraphInfo(code.co_firstlineno,
                                                 dict(getattr(module, "_lineno_map", None) or {}),
@@ -126,7 +127,7 @@ class Attribution:
         while self._stack:
             top, _ = self._stack.pop()
             if isinstance(top, torch.fx.GraphModule) and self._active_graphs and \
-                    type(top).forward.__code__ in self._graphs:
+                    generated_code(top) in self._graphs:
                 self._active_graphs -= 1
             if top is module:
                 break

@@ -40,6 +40,7 @@ import functools
 import linecache
 import sys
 import traceback
+import types
 from typing import Any
 
 import torch
@@ -55,7 +56,7 @@ from .modes import FORWARD_ATTR, MODES_ATTR, relink_modes, switch_graph
 from .symbolic import _AmpTracer
 from .variants import GUARD_ATTR, STATE_KEY
 
-__all__ = ["finish", "failure_context"]
+__all__ = ["finish", "failure_context", "generated_code"]
 
 
 def finish(gm: fx.GraphModule) -> fx.GraphModule:
@@ -87,6 +88,14 @@ def _held_graph_forward(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
     mode switch or a new state exchanges graphs, not classes). ``functools.wraps`` gives it
     the generated signature, which ``inspect.signature(gm.forward)`` (HF ``Trainer``) reads."""
     return self.__dict__[FORWARD_ATTR](self, *args, **kwargs)
+
+
+def generated_code(module: nn.Module) -> types.CodeType:
+    """The code object of the generated forward a GraphModule runs now (a converted module's
+    class ``forward`` calls it; a plain GraphModule's is that forward): what a frame walk
+    looks for to map a line to its node."""
+    held = module.__dict__.get(FORWARD_ATTR)
+    return (held if held is not None else type(module).forward).__code__
 
 
 def _train(self: fx.GraphModule, mode: bool = True) -> fx.GraphModule:

@@ -42,6 +42,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
+from ..capture.calling import generated_code
 from ..convert import convert
 from ..passes.opt_levels import opt_level_of
 from ..runtime.low_copies import LOW_COPIES_ATTR, LowPrecisionCopies
@@ -154,7 +155,7 @@ def _owner(module: nn.Module, handles: list[Any]) -> Callable[[], str | None]:
             handles += [m.register_forward_pre_hook(lambda m, a: stack.append(names[id(m)])),
                         m.register_forward_hook(leave, always_call=True)]
         return lambda: stack[-1] if stack else None
-    code, nodes = type(module).forward.__code__, list(module.graph.nodes)
+    code, nodes = generated_code(module), list(module.graph.nodes)
     lines = getattr(module, "_lineno_map", None) or {}
     start = getattr(module, "_prologue_start", 0)
 

@@ -28,7 +28,7 @@ from .capture.modes import (
     share_state,
 )
 from .capture.persistence import match_persistence
-from .capture.reads import note_leaf_modules, recording_reads, restore_classes
+from .capture.reads import Reads, note_leaf_modules, recording_reads, restore_classes
 from .capture.state import preserved_global_state
 from .capture.variants import GUARD_ATTR, STATE_KEY, CallGuard
 from .capture.symbolic import capture_symbolic, propagate_meta
@@ -315,6 +315,7 @@ def _capture_one(model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | 
     with recording_reads(model) as reads:
         gm = capture_symbolic(model)
     restore_classes(gm)
+    _check_seen(reads, model)
     note_leaf_modules(reads, model, gm)
     gm.meta[STATE_KEY] = StateSnapshot(reads, model)
     if has_inputs:
@@ -362,8 +363,19 @@ def _recorded_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | Non
         gm = capture_export(model, args, kwargs, regime=regime, dynamic=dynamic,
                             faithful=faithful)
     restore_classes(gm)
+    _check_seen(reads, model)
     gm.meta[STATE_KEY] = StateSnapshot(reads, model)
     return gm
+
+
+def _check_seen(reads: Reads, model: nn.Module) -> None:
+    if reads.blind(model):
+        warnings.warn(
+            f"amprewrite.convert: the capture of {type(model).__name__} read none of its "
+            "attributes, submodules or tensors through the model's own modules, so changes to "
+            "the model's Python state after conversion cannot be followed (this torch may trace "
+            "a copy of the model). Convert again after changing the model, or use "
+            "amprewrite.compile(model).", stacklevel=4)
 
 
 def _rewrite(gm: fx.GraphModule, model: nn.Module, policy: Policy, low: torch.dtype,

@@ -334,3 +334,17 @@ def test_the_warning_names_at_most_a_few_changes() -> None:
     model.block.use_gate, model.block.temperature = False, 0.5
     with _captures_again("block.use_gate: True -> False", "block.temperature: 1.0 -> 0.5"):
         gm(X)
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic"])
+def test_each_capture_path_sees_the_model_read(capture: str) -> None:
+    """The check rests on the capture running the model's own modules: each path must note
+    reads of them (a torch that traced a copy would make this fail, and convert warn)."""
+    gm = _convert(_model(), capture)
+    snapshot = gm.__dict__[GUARD_ATTR].snapshot
+    names = {item.name for item in snapshot._values}
+    assert {"block", "block.use_gate", "block.temperature", "head"} <= names, names
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amprewrite.convert(_model(), (X,) if capture == "export" else None, policy=PRESET,
+                           capture=capture)

@@ -73,6 +73,13 @@ class Reads:
         """Parameter and buffer slots read."""
         self.configs: dict[int, object] = {}
 
+    def blind(self, model: nn.Module) -> bool:
+        """Whether the recording saw nothing of a model that has state to read: a sign that
+        the capture ran the forward on objects other than the model's (a future torch
+        copying the model before tracing), which would leave changes unseen."""
+        has_state = len(self.owners) > 1 or next(model.parameters(), None) is not None
+        return has_state and not (self.values or self.tensors or self.absent or self.walked)
+
     def found(self, owner: object, table: str, key: str, value: Any) -> None:
         self.values.setdefault((id(owner), table, key), (owner, table, key))
         if is_config(value):

@@ -11,7 +11,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .capture.converted import MODEL_KEY, capture_converted, is_converted
+from .capture.converted import CONVERTED_KEY, MODEL_KEY, capture_converted, is_converted
+from .capture.first_call import placeholder_module
 from .capture.export import Regime, capture_export
 from .capture.modes import (
     MODE_KEY,
@@ -40,10 +41,16 @@ from .graph.queries import module_paths
 from .hardware import model_device, warn_if_slow
 from .passes.calibrate import CalibrationInput, check_calibrate, record_ranges
 from .passes.gather_weights import gather_weights
-from .passes.opt_levels import apply_opt_level, check_opt_level, low_precision_twin
+from .passes.opt_levels import (
+    OPT_LEVEL_KEY,
+    OptLevel,
+    apply_opt_level,
+    check_opt_level,
+    low_precision_twin,
+)
 from .passes.pipeline import run_passes
 from .policy.policy import Policy, check_low_dtype
-from .runtime.model_watch import WATCH_ATTR, share_tensor_dicts, watch_model
+from .runtime.model_watch import WATCH_ATTR, ModelWatch, share_tensor_dicts, watch_model
 from .capture.snapshot import StateSnapshot
 
 __all__ = ["convert", "resolve_dtype"]
@@ -87,7 +94,10 @@ def convert(
             per-tensor dynamic scales, e5m2 gradients; see :mod:`amprewrite.passes.fp8`).
         dtype: torch.float16 or torch.bfloat16; default fp16 for models on CUDA, else bf16.
         capture: ``"auto"`` (export when example inputs are given, else symbolic),
-            ``"symbolic"`` or ``"export"``.
+            ``"symbolic"`` or ``"export"``. ``"export"`` without example inputs captures at
+            the first call, from its inputs, and again for inputs the graph does not fit
+            (:mod:`amprewrite.capture.first_call`): for trainers that take the model before
+            any batch exists.
         opt_level: Apex's levels. ``"O1"`` (default): the per-op policy above. ``"O0"``: fp32,
             no casts (the baseline). ``"O2"``: weights stored in the low dtype (except
             normalisation layers, which stay fp32) with fp32 master weights, which stay the
@@ -140,8 +150,6 @@ def convert(
     if not isinstance(policy, Policy):
         raise TypeError(f"amprewrite.convert: policy must be an amprewrite.Policy, got "
                         f"{type(policy).__name__}")
-    if capture == "export" and example_inputs is None:
-        raise ValueError("amprewrite.convert(capture='export') needs example_inputs=(...)")
     check_opt_level(opt_level, policy, dtype)
     calibration = check_calibrate(calibrate, model, opt_level)
     low = resolve_dtype(model, policy, dtype)
@@ -153,8 +161,11 @@ def convert(
                          "fp8 matmuls write bf16 and whose other ops run in bf16. Drop dtype=...")
     if opt_level != "O0":
         warn_if_slow(model_device(model, example_inputs, example_kwargs), low)
+    first_call = capture == "export" and example_inputs is None and example_kwargs is None
     recapture = _Recapture(model, example_inputs, example_kwargs, policy, low, capture,
-                           opt_level, calibration)
+                           opt_level, calibration, from_calls=first_call)
+    if first_call:
+        return _placeholder(model, policy, low, opt_level, recapture, on_change)
     with preserved_global_state():
         gm = _capture_and_rewrite(model, example_inputs, example_kwargs, policy, low, capture,
                                   opt_level, calibration)
@@ -169,6 +180,18 @@ def convert(
     return finish(gm)
 
 
+def _placeholder(model: nn.Module, policy: Policy, low: torch.dtype, opt_level: str,
+                 recapture: _Recapture, on_change: str) -> fx.GraphModule:
+    """The module of ``convert(model, capture="export")`` without example inputs, captured at
+    its first call (:mod:`.capture.first_call`)."""
+    meta: dict[str, Any] = {CONVERTED_KEY: (policy, low), MODEL_KEY: type(model).__name__}
+    if opt_level != "O1":
+        meta[OPT_LEVEL_KEY] = OptLevel(opt_level, None if opt_level == "O0" else low)
+    gm = finish(placeholder_module(model, meta, o2=opt_level == "O2"))
+    gm.__dict__[GUARD_ATTR] = CallGuard(gm, recapture, on_change, None, first_call=True)
+    return gm
+
+
 class _Recapture:
     """How a converted module captures the model again for a new state: ``convert``'s
     arguments, and the call's inputs where the capture needs inputs (:mod:`.capture.variants`).
@@ -176,8 +199,10 @@ class _Recapture:
 
     def __init__(self, model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None,
                  policy: Policy, low: torch.dtype, capture: str, opt_level: str,
-                 calibration: list[CalibrationInput] | None) -> None:
-        self.model, self.has_inputs = model, args is not None or kwargs is not None
+                 calibration: list[CalibrationInput] | None, from_calls: bool = False) -> None:
+        self.model = model
+        self.has_inputs = args is not None or kwargs is not None or from_calls
+        self.from_calls = from_calls
         self.policy, self.low, self.capture_path = policy, low, capture
         self.opt_level, self.calibration = opt_level, calibration
 
@@ -195,6 +220,13 @@ class _Recapture:
         _record_inputs(core, model, call_args, call_kwargs, self.capture_path)
         core.meta.setdefault(MODEL_KEY, type(model).__name__)
         return finish(core)
+
+    def watch(self, gm: fx.GraphModule) -> ModelWatch | None:
+        """The watch over the model's hooks of a module captured at its first call, made once
+        it holds the model's tensors."""
+        if self.opt_level != "O3":
+            watch_model(gm, self.model)
+        return gm.__dict__.get(WATCH_ATTR)
 
 
 def _record_inputs(gm: fx.GraphModule, model: nn.Module, args: tuple | None,

@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from .capture.guards import is_input_guards
+from .capture.first_call import NOT_CAPTURED_YET_KEY
 from .capture.modes import NOT_CAPTURED_KEY, mode_graphs, mode_name, pending_mode
 from .compile_backend import AmpBackend
 from .graph.meta import META_KEY, cast_info, decision, fp8_step
@@ -240,7 +241,12 @@ def explain(target: Any, *, all_nodes: bool = False,
     :func:`amprewrite.backend` object, or a model from :func:`amprewrite.compile` (one
     table per captured graph). ``casts`` (from :func:`amprewrite.summary.count_forward_casts`)
     adds the cast kernels one forward runs, against ``torch.autocast``'s, to the summary.
+    A module captured at its first call and not called yet says so.
     """
+    waiting = getattr(target, "meta", {}).get(NOT_CAPTURED_YET_KEY) \
+        if isinstance(target, torch.nn.Module) else None
+    if waiting is not None:
+        return f"not captured yet: {waiting}"
     return _render(target, all_nodes, casts, with_summary=True)
 
 

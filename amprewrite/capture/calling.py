@@ -54,7 +54,8 @@ from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
 from .guards import GUARDS_ATTR, InputGuards
 from .modes import FORWARD_ATTR, MODES_ATTR, relink_modes, switch_graph
 from .symbolic import _AmpTracer
-from .variants import GUARD_ATTR, STATE_KEY
+from .first_call import NOT_CAPTURED_YET_KEY
+from .variants import GUARD_ATTR
 
 __all__ = ["finish", "failure_context", "generated_code"]
 
@@ -104,7 +105,7 @@ def _train(self: fx.GraphModule, mode: bool = True) -> fx.GraphModule:
     switch_graph(self, bool(mode))
     guard = self.__dict__.get(GUARD_ATTR)
     if guard is not None:
-        guard.snapshot = self.meta.get(STATE_KEY)
+        guard.switched(self)
     cache = self.__dict__.get(CACHE_ATTR)
     if leaving_training and isinstance(cache, WeightCastCache):
         # NB: a fused optimizer (Trainer's default AdamW on CPU) updates the weights in place
@@ -176,7 +177,9 @@ def _converted_call(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
     # is the mode's graph (None: it holds this mode's graph; an int index: Dynamo on torch
     # 2.11 cannot index a tuple with a bool).
     guard = None if torch.compiler.is_compiling() else self.__dict__.get(GUARD_ATTR)
-    if guard is None:
+    if guard is None and NOT_CAPTURED_YET_KEY in self.meta:
+        _first_capture_outside(self, args, kwargs)  # compiled before any eager call
+    elif guard is None:
         if self._amp_by_mode[1 if self.training else 0] is not None:
             switch_graph(self, self.training)
     elif not guard.holds(self):
@@ -185,12 +188,21 @@ def _converted_call(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
         return nn.Module.__call__(self, *args, **kwargs)
     except Exception as exc:
         mismatch = input_mismatch(self, type(self).__name__, args, kwargs)
+        if mismatch is not None and guard is not None and guard.refit(self, args, kwargs):
+            return nn.Module.__call__(self, *args, **kwargs)  # captured for these inputs
         if mismatch is not None:
             raise AmpRewriteError(mismatch) from exc
         context = failure_context(exc)
         if context is not None:
             print(context, file=sys.stderr)
         raise
+
+
+@torch.compiler.disable
+def _first_capture_outside(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -> None:
+    """The first capture of a module captured at its first call, when that call is compiled:
+    run eagerly (a graph break, once), then the compiler traces the captured graph."""
+    gm.__dict__[GUARD_ATTR].follow(gm, args, kwargs)
 
 
 def failure_context(exc: BaseException) -> str | None:

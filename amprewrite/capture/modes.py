@@ -340,7 +340,8 @@ def exchange_graphs(gm: fx.GraphModule, other: fx.GraphModule,
     ``other``. NB: the classes' ``forward`` stay: a bound ``gm.forward`` that a library kept
     (accelerate's autocast wrapper) runs whatever graph ``gm`` holds when it is called."""
     mine, theirs = gm.__dict__, other.__dict__
-    for attr in _GRAPH_ATTRS + extra:
+    owned = tuple(_plain_attrs(gm) | _plain_attrs(other))
+    for attr in _GRAPH_ATTRS + extra + owned:
         a, b = mine.pop(attr, _MISSING), theirs.pop(attr, _MISSING)
         if b is not _MISSING:
             mine[attr] = b
@@ -354,6 +355,18 @@ def exchange_graphs(gm: fx.GraphModule, other: fx.GraphModule,
 
 
 _MISSING = object()
+
+_RUNTIME_ATTRS = (CACHE_ATTR, LOW_COPIES_ATTR)
+"""One per module, whatever graph it holds (:func:`share_runtime`): never exchanged."""
+
+
+def _plain_attrs(gm: fx.GraphModule) -> set[str]:
+    """Plain attributes of ``gm`` its graph reads (a constant a pass stored with ``setattr``):
+    the graph's own, exchanged with it."""
+    own = gm.__dict__
+    return {str(n.target) for n in gm.graph.find_nodes(op="get_attr")
+            if "." not in str(n.target) and str(n.target) in own
+            and str(n.target) not in _RUNTIME_ATTRS and str(n.target) not in _GRAPH_ATTRS}
 
 
 def _put(modules: dict[str, Any], name: str, module: Any) -> None:

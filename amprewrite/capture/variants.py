@@ -40,10 +40,14 @@ import copy
 import warnings
 from typing import Any, Callable
 
+import torch
 import torch.fx as fx
 
 from ..errors import AmpRewriteError
+from ..graph.inputs import input_mismatch
+from ..runtime.low_copies import LOW_COPIES_ATTR
 from ..runtime.model_watch import ModelWatch, changes
+from ..runtime.weight_cache import CACHE_ATTR
 from .snapshot import StateSnapshot
 from .modes import MODES_ATTR, exchange_graphs, switch_graph
 
@@ -81,7 +85,7 @@ class CallGuard:
     """The per-call check of a converted module (module docstring)."""
 
     def __init__(self, gm: fx.GraphModule, recapture: Recapture | None, on_change: str,
-                 watch: ModelWatch | None) -> None:
+                 watch: ModelWatch | None, first_call: bool = False) -> None:
         if on_change not in ON_CHANGE:
             raise ValueError(f"amprewrite.convert: on_change={on_change!r} is unknown; expected "
                              f"one of {', '.join(map(repr, ON_CHANGE))}")
@@ -89,8 +93,12 @@ class CallGuard:
         self.on_change = on_change
         self.watch = watch
         self.cores: list[fx.GraphModule] = []
-        self.snapshot: StateSnapshot | None = gm.meta.get(STATE_KEY)
+        self.snapshot: StateSnapshot | _NotCaptured | None = \
+            _NOT_CAPTURED if first_call else gm.meta.get(STATE_KEY)
         self.stamp = changes()
+        self.first_call = first_call
+        """Captured at the first call, from its inputs: a call whose inputs do not fit the
+        graph is captured again for them (:meth:`refit`)."""
 
     # -- the hot path ------------------------------------------------------------------------
     def holds(self, gm: fx.GraphModule) -> bool:
@@ -101,10 +109,23 @@ class CallGuard:
                 and self.stamp == changes()
                 and (snapshot is None or snapshot.holds()))
 
+    def switched(self, gm: fx.GraphModule) -> None:
+        """``gm`` switched mode (``gm.train()``/``gm.eval()``): check its new graph's state."""
+        if self.snapshot is not _NOT_CAPTURED:
+            self.snapshot = gm.meta.get(STATE_KEY)
+
     # -- bringing the module up to date --------------------------------------------------------
     def follow(self, gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -> None:
         """Make ``gm`` hold the graph of its mode and the model's current state (module
         docstring)."""
+        if self.snapshot is _NOT_CAPTURED:
+            assert self.recapture is not None
+            _refuse_while_tracing(gm)
+            swap_cores(gm, self.recapture(gm, args, kwargs))  # the placeholder is dropped
+            self.watch = self.recapture.watch(gm)
+            self.stamp = changes()
+            self.snapshot = gm.meta.get(STATE_KEY)
+            return
         slots_changed = False
         if self.stamp != changes():
             if self.watch is not None:
@@ -135,15 +156,43 @@ class CallGuard:
         self.cores.append(swap_cores(gm, core))
         self.snapshot = gm.meta.get(STATE_KEY)
 
-    def _refuse(self, gm: fx.GraphModule, what: list[str]) -> None:
+    def refit(self, gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -> bool:
+        """For a module captured at its first call, after a call that failed on inputs its
+        graph does not fit (another dtype, rank or fixed size): hold a graph captured for
+        such inputs, captured now if none was (bounded, with a warning). Returns whether the
+        call should be tried again."""
+        if not self.first_call or self.recapture is None:
+            return False
+        for i, core in enumerate(self.cores):
+            state = state_of(core, gm.training)
+            if state is not None and state.holds() and input_mismatch(core, "", args, kwargs) is None:
+                self.cores[i] = swap_cores(gm, core)
+                self.snapshot = gm.meta.get(STATE_KEY)
+                return True
+        message = input_mismatch(gm, type(gm).__name__, args, kwargs) or ""
+        what = message.splitlines()[1].strip() if "\n" in message else "other inputs"
+        self._refuse(gm, [what], state=False)
+        core = self.recapture(gm, args, kwargs)
+        warnings.warn(
+            f"amprewrite: this {type(gm).__name__} was called with inputs its graph was not "
+            f"captured for ({what}), so it was captured again for them "
+            f"({len(self.cores) + 2} of at most {MAX_STATES} kept).", stacklevel=4)
+        self.cores.append(swap_cores(gm, core))
+        self.snapshot = gm.meta.get(STATE_KEY)
+        return True
+
+    def _refuse(self, gm: fx.GraphModule, what: list[str], state: bool = True) -> None:
+        """Raise where no new capture may be made: the module cannot capture, the user asked
+        for errors (``on_change="raise"``, for changes of ``state`` only), or the bound."""
         changed = "; ".join(what)
         name = type(gm).__name__
         if self.recapture is None:
             raise AmpRewriteError(
                 f"the model this converted {name} was captured from has changed ({changed}), "
-                "and this module cannot capture it again (it is a copy loaded from a file, or "
-                "holds no model). Convert the model again with amprewrite.convert.")
-        if self.on_change == "raise":
+                "and this module cannot capture it again: it rewrote the graph of an already "
+                "converted module, not the model. Convert the model itself again "
+                "(amprewrite.convert(model, ...)).")
+        if self.on_change == "raise" and state:
             raise AmpRewriteError(
                 f"the model this converted {name} was captured from has changed since the "
                 f"capture: {changed}. Its graph computes the model as it was, so the call is "
@@ -172,8 +221,31 @@ def _no_guard() -> None:
     return None
 
 
+def _refuse_while_tracing(gm: fx.GraphModule) -> None:
+    if torch.compiler.is_compiling() or fx._symbolic_trace.is_fx_symbolic_tracing():
+        raise AmpRewriteError(gm.meta.get("amprewrite_not_captured_yet", "not captured yet"))
+
+
+class _NotCaptured:
+    """The state of a module not captured yet: it never holds."""
+
+    def holds(self) -> bool:
+        return False
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _NotCaptured:
+        return self
+
+
+_NOT_CAPTURED = _NotCaptured()
+
+
 def swap_cores(gm: fx.GraphModule, core: fx.GraphModule) -> fx.GraphModule:
     """Make ``gm`` hold ``core``'s graphs and tree and ``core`` hold ``gm``'s; returns ``core``
-    (which now holds what ``gm`` held)."""
+    (which now holds what ``gm`` held). The runtime stores stay ``gm``'s (an O2 module's
+    store is the one ``MasterWeights`` bound), taken from ``core`` where ``gm`` has none yet
+    (a module captured at its first call)."""
+    for attr in (CACHE_ATTR, LOW_COPIES_ATTR):
+        if attr in core.__dict__:
+            gm.__dict__.setdefault(attr, core.__dict__[attr])
     exchange_graphs(gm, core, extra=(MODES_ATTR,))
     return core

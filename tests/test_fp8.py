@@ -339,7 +339,7 @@ def _step(gm: nn.Module, model: nn.Module, x: torch.Tensor) -> dict[str, torch.T
 
 
 @pytest.mark.parametrize("tokens", [(2, 7), (3, 5), (4, 8)], ids=["2x7", "3x5", "4x8"])
-def test_every_scaled_mm_of_a_training_step_is_valid_on_cuda(tokens: tuple[int, int]):
+def test_every_scaled_mm_of_a_training_step_keeps_cudas_rules(tokens: tuple[int, int]):
     """Any token count: the weight-gradient matmul contracts over batch x tokens (14, 15),
     which ``pad_to`` pads; padding with zeros changes no bit of the CPU result."""
     model = _six_linears()

@@ -459,9 +459,8 @@ def _regime(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, policy
     device = model_device(model, args, kwargs).type
     if policy.device_type is not None and policy.device_type != device:
         return None  # the preset casts nothing on this device
-    if not torch.amp.is_autocast_available(device) or \
-            (device == "cuda" and not torch.cuda.is_available()):
-        return None  # (fake CUDA tensors on a CPU-only build: autocast disables itself)
+    if not torch.amp.is_autocast_available(device):
+        return None
     return device, low
 
 

@@ -13,31 +13,22 @@ node asks for a CUDA device guard and aborts the process (it cannot be caught).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from amprewrite.capture.export import autocast_regime
+
 __all__ = ["cuda_autocast", "fake_cuda", "OneOp", "one_op_module", "resolve_op", "tensors_of"]
 
 
-@contextlib.contextmanager
-def cuda_autocast(dtype: torch.dtype) -> Iterator[None]:
-    """CUDA autocast with ``dtype`` on a CPU-only build (what ``torch.autocast`` does on
-    enter and exit, minus its CUDA availability check)."""
-    prev, prev_dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
-    torch.set_autocast_enabled("cuda", True)
-    torch.set_autocast_dtype("cuda", dtype)
-    torch.autocast_increment_nesting()
-    try:
-        yield
-    finally:
-        if torch.autocast_decrement_nesting() == 0:
-            torch.clear_autocast_cache()
-        torch.set_autocast_enabled("cuda", prev)
-        torch.set_autocast_dtype("cuda", prev_dtype)
+def cuda_autocast(dtype: torch.dtype) -> contextlib.AbstractContextManager[None]:
+    """CUDA autocast with ``dtype`` on a machine without a GPU (what ``torch.autocast`` does
+    on enter and exit, minus its CUDA availability check)."""
+    return autocast_regime("cuda", dtype)
 
 
 def fake_cuda(mode: FakeTensorMode, value: Any) -> Any:

@@ -252,9 +252,9 @@ def test_cuda_preset_bitwise_on_gpu(entry: Any, dtype: str, path: str) -> None:
 
 
 def test_cuda_autocast_stops_at_the_first_listed_op_of_a_composite() -> None:
-    """What the CUDA parity gaps of ``test_parity_zoo.KNOWN_GAPS`` rest on, dtype-level on fake
-    CUDA tensors: ``inner`` meets ``tensordot`` (promote) and stays fp32 though it ends in an
-    mm; ``cross_entropy`` runs ``log_softmax`` in the low dtype, then ``nll_loss`` in fp32."""
+    """What DecomposeCompositesPass reproduces, dtype-level on fake CUDA tensors: ``inner``
+    meets ``tensordot`` (promote) and stays fp32 though it ends in an mm; ``cross_entropy``
+    runs ``log_softmax`` in the low dtype, then ``nll_loss`` in fp32."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def under_autocast(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor) -> Any:

@@ -283,3 +283,170 @@ def test_fp8_output_can_be_written_in_place():
     ref_x = torch.ones(8, 16) @ w.detach()
     ref_w = torch.ones(16, 8) @ x.detach()
     assert _rel(x.grad, ref_x) < 0.1 and _rel(w.grad, ref_w) < 0.1
+
+
+# -- CUDA's rules for torch._scaled_mm, checked on CPU tensors --------------------------------
+def _cuda_violations(a: torch.Tensor, b: torch.Tensor) -> list[str]:
+    """What CUDA's ``_scaled_mm`` refuses in ``a @ b`` (``at::_scaled_mm_cuda``, the checks of
+    its meta function): ``a`` row-major, ``b`` column-major, ``a.size(1)`` and both dimensions
+    of ``b`` multiples of 16."""
+    found = []
+    if not (a.stride(1) == 1 and a.stride(0) > 1):
+        found.append(f"mat1 {tuple(a.shape)} is not row-major (stride {a.stride()})")
+    if not (b.stride(0) == 1 and b.stride(1) > 1):
+        found.append(f"mat2 {tuple(b.shape)} is not column-major (stride {b.stride()})")
+    if a.size(1) % 16 or b.size(0) % 16 or b.size(1) % 16:
+        found.append(f"{tuple(a.shape)} @ {tuple(b.shape)}: k and n must be multiples of 16")
+    return found
+
+
+class CudaScaledMmRules(TorchDispatchMode):
+    """Records every ``aten._scaled_mm`` call with the CUDA rules it breaks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[tuple[int, int], tuple[int, int], list[str]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._scaled_mm.default:
+            a, b = args[0], args[1]
+            self.calls.append((tuple(a.shape), tuple(b.shape), _cuda_violations(a, b)))
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def broken(self) -> list[str]:
+        return [f"{a} @ {b}: {'; '.join(v)}" for a, b, v in self.calls if v]
+
+
+def _six_linears() -> nn.Module:
+    """Four fp8 linears (the first and last of six stay bf16): 12 scaled matmuls a step."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), *[nn.Linear(64, 64) for _ in range(4)],
+                         nn.Linear(64, 16))
+
+
+def _set_pad_to(gm: torch.fx.GraphModule, multiple: int) -> None:
+    for node in gm.graph.nodes:
+        if "pad_to" in node.kwargs:
+            node.kwargs = {**node.kwargs, "pad_to": multiple}
+    gm.recompile()
+
+
+def _step(gm: nn.Module, model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    gm(x).float().pow(2).mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tokens", [(2, 7), (3, 5), (4, 8)], ids=["2x7", "3x5", "4x8"])
+def test_every_scaled_mm_of_a_training_step_keeps_cudas_rules(tokens: tuple[int, int]):
+    """Any token count: the weight-gradient matmul contracts over batch x tokens (14, 15),
+    which ``pad_to`` pads; padding with zeros changes no bit of the CPU result."""
+    model = _six_linears()
+    gm = _fp8(model)
+    assert gm.code.count("pad_to = 16") == 8  # 4 forward matmuls, 4 backward nodes
+    x = torch.randn(*tokens, 32, generator=torch.Generator().manual_seed(3))
+    with CudaScaledMmRules() as rules:
+        padded = _step(gm, model, x)
+    assert len(rules.calls) == 12 and not rules.broken, rules.broken
+    _set_pad_to(gm, 1)  # the matmuls as CUDA would refuse them
+    with CudaScaledMmRules() as raw:
+        unpadded = _step(gm, model, x)
+    odd = tokens[0] * tokens[1] % 16 != 0
+    assert len(raw.broken) == (4 if odd else 0), raw.broken
+    if odd:
+        assert all(f"k and n must be multiples of 16" in b for b in raw.broken)
+    for name in padded:
+        assert torch.equal(padded[name], unpadded[name]), name
+
+
+def test_dim_multiple_one_pads_weights_of_any_shape():
+    """``dim_multiple=1`` lets weights of any shape through; their matmuls pad the weight's
+    dimensions too, and compute what the unpadded CPU matmuls compute."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 20), nn.Linear(20, 8))
+    gm = amprewrite.convert(model, (torch.randn(3, 24),),
+                            policy=amprewrite.Policy.fp8(dim_multiple=1, skip_first_last=False))
+    assert gm.code.count("fp8_scaled_mm(") == 3
+    x = torch.randn(5, 24, generator=torch.Generator().manual_seed(4))
+    with CudaScaledMmRules() as rules:
+        out = gm(x)
+        padded = _step(gm, model, x)
+    # two forwards, and the backward's matmuls (no input gradient for the first layer)
+    assert len(rules.calls) == 3 + 3 + 5 and not rules.broken, rules.broken
+    assert _rel(out, model(x)) < 0.1  # three e4m3 matmuls in a row
+    _set_pad_to(gm, 1)
+    assert torch.equal(gm(x), out)
+    unpadded = _step(gm, model, x)
+    for name in padded:
+        assert torch.equal(padded[name], unpadded[name]), name
+
+
+def test_scaled_mm_takes_operands_of_any_layout():
+    """A transposed (column-major) first operand and a row-major second one are laid out as
+    CUDA wants them before the call."""
+    a, b = torch.randn(64, 20).t(), torch.randn(64, 48)  # a: [20, 64] column-major
+    sa, sb = rt.scale(rt.amax(a), rt.E4M3), rt.scale(rt.amax(b), rt.E4M3)
+    qa, qb = rt.quantize(a, sa, rt.E4M3), rt.quantize(b, sb, rt.E4M3)
+    assert qa.stride(0) == 1 and qb.stride(1) == 1  # quantize keeps the layouts
+    with CudaScaledMmRules() as rules:
+        out = rt.scaled_mm_2d(qa, qb, sa, sb, torch.float32)
+    assert not rules.broken and out.shape == (20, 48)
+    assert _rel(out, a @ b) < 5e-2
+
+
+def test_the_checker_names_what_cuda_refuses():
+    a = torch.randn(8, 24).to(rt.E4M3)
+    b = torch.randn(24, 16).to(rt.E4M3)  # row-major, k = 24
+    assert _cuda_violations(a, b) == [
+        "mat2 (24, 16) is not column-major (stride (16, 1))",
+        "(8, 24) @ (24, 16): k and n must be multiples of 16"]
+    assert _cuda_violations(a.t().contiguous().t(), b.t().contiguous().t())[0] == \
+        "mat1 (8, 24) is not row-major (stride (1, 8))"
+
+
+# -- on a GPU with fp8 (sm_89 or newer) ---------------------------------------------------------
+_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+needs_fp8_gpu = pytest.mark.skipif(
+    not _FP8_GPU, reason="needs a CUDA device with fp8 matmuls (compute capability 8.9 or newer)")
+
+
+@needs_fp8_gpu
+def test_scaled_mm_numerics_on_cuda():
+    a, b = torch.randn(30, 40, device="cuda"), torch.randn(24, 40, device="cuda")
+    sa, sb = rt.scale(rt.amax(a), rt.E4M3), rt.scale(rt.amax(b), rt.E4M3)
+    out = rt.scaled_mm(rt.quantize(a, sa, rt.E4M3), rt.quantize(b, sb, rt.E4M3), sa, sb,
+                       torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.shape == (30, 24) and out.is_cuda
+    assert _rel(out, a @ b.t()) < 5e-2
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("tokens", [(2, 7), (3, 5), (4, 8)], ids=["2x7", "3x5", "4x8"])
+def test_training_step_on_cuda_with_any_token_count(tokens: tuple[int, int]):
+    """The real ``_scaled_mm`` kernels: every call of a training step runs, and the
+    gradients follow bf16's."""
+    model = _six_linears().cuda()
+    x = torch.randn(*tokens, 32, device="cuda")
+    gm = amprewrite.convert(model, (torch.randn(4, 8, 32, device="cuda"),),
+                            policy=amprewrite.Policy.fp8())
+    with CudaScaledMmRules() as rules:
+        fp8 = _step(gm, model, x)
+    assert len(rules.calls) == 12 and not rules.broken
+    bf16 = _step(amprewrite.convert(model, (x,), dtype=torch.bfloat16), model, x)
+    for name, g in fp8.items():
+        assert g.is_cuda and g.dtype == torch.float32 and torch.isfinite(g).all(), name
+        assert _rel(g, bf16[name]) < 0.25, name
+
+
+@needs_fp8_gpu
+def test_dim_multiple_one_on_cuda():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 20)).cuda()
+    x = torch.randn(5, 24, device="cuda")
+    gm = amprewrite.convert(model, (x,), policy=amprewrite.Policy.fp8(
+        dim_multiple=1, skip_first_last=False))
+    out = gm(x)
+    assert _rel(out, model(x)) < 0.1  # two e4m3 matmuls in a row
+    grads = _step(gm, model, x)
+    assert all(torch.isfinite(g).all() for g in grads.values())

@@ -4,6 +4,8 @@ parameters and fp32 running statistics, output in the low dtype."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.fx as fx
@@ -101,17 +103,23 @@ def test_o2_batch_norm_training_step_updates_fp32_masters_and_stats() -> None:
         torch.testing.assert_close(gm(X), model.train()(X), atol=0.1, rtol=0.05)
 
 
-def test_the_cpu_mixed_input_norms_take_both_low_dtypes() -> None:
-    """Each CPU entry takes fp16 and bf16 input with fp32 parameters, forward and backward,
-    and returns the input's dtype, with fp32 parameter gradients, on this torch."""
+_NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _norm_calls(device: str) -> dict[str, Any]:
+    """One call per mixed-input norm entry: ``(x, weight, bias) -> output``, statistics on
+    ``device``."""
+    def stats() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(4, device=device), torch.ones(4, device=device)
+
     calls = {
-        "batch_norm": lambda x, w, b: F.batch_norm(x, torch.zeros(4), torch.ones(4), w, b, True),
+        "batch_norm": lambda x, w, b: F.batch_norm(x, *stats(), w, b, True),
         "instance_norm": lambda x, w, b: F.instance_norm(x, weight=w, bias=b),
         "layer_norm": lambda x, w, b: F.layer_norm(x, (4,), w, b),
         "group_norm": lambda x, w, b: F.group_norm(x, 2, w, b),
     }
     calls["native_batch_norm"] = lambda x, w, b: torch.native_batch_norm(
-        x, w, b, torch.zeros(4), torch.ones(4), True, 0.1, 1e-5)[0]
+        x, w, b, *stats(), True, 0.1, 1e-5)[0]
     calls["native_layer_norm"] = lambda x, w, b: torch.native_layer_norm(x, (4,), w, b, 1e-5)[0]
     calls["native_group_norm"] = lambda x, w, b: torch.native_group_norm(
         x, w, b, 2, 4, 16, 2, 1e-5)[0]
@@ -120,16 +128,50 @@ def test_the_cpu_mixed_input_norms_take_both_low_dtypes() -> None:
     for name, train in legit.items():
         op = getattr(torch.ops.aten, name)
         calls[name] = lambda x, w, b, op=op, train=train: op(
-            x, w, b, torch.zeros(4), torch.ones(4), *train, 0.1, 1e-5)[0]
-    assert set(calls) == MIXED_INPUT_NORMS["cpu"]
+            x, w, b, *stats(), *train, 0.1, 1e-5)[0]
+    return {name: call for name, call in calls.items() if name in MIXED_INPUT_NORMS[device]}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_NEEDS_CUDA)])
+def test_the_mixed_input_norms_take_both_low_dtypes(device: str) -> None:
+    """Each entry of the device takes fp16 and bf16 input with fp32 parameters, forward and
+    backward, and returns the input's dtype, with fp32 parameter gradients, on this torch."""
+    calls = _norm_calls(device)
+    assert set(calls) == MIXED_INPUT_NORMS[device]
     for dtype in (torch.float16, torch.bfloat16):
         for name, call in calls.items():
-            x = torch.randn(2, 4, 4, 4).to(dtype).requires_grad_()
-            w, b = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+            x = torch.randn(2, 4, 4, 4, device=device).to(dtype).requires_grad_()
+            w = torch.randn(4, device=device, requires_grad=True)
+            b = torch.randn(4, device=device, requires_grad=True)
             out = call(x, w, b)
             out.float().sum().backward()
             assert out.dtype == x.grad.dtype == dtype, (name, dtype)
             assert w.grad.dtype == b.grad.dtype == torch.float32, (name, dtype)
+
+
+@_NEEDS_CUDA
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_o2_batch_norm_on_cuda(dtype: torch.dtype, training: bool) -> None:
+    """On a GPU: batch norm runs on the low-precision activation (no casts around it), as
+    eager code calls it, with fp32 statistics and fp32 gradients on the masters."""
+    model, ref = ConvBN().cuda().train(training), ConvBN().cuda().train(training)
+    x = X.cuda()
+    gm = amprewrite.convert(model, (x,), opt_level="O2", dtype=dtype)
+    amprewrite.MasterWeights(gm, torch.optim.SGD(gm.parameters(), lr=0.1))
+    assert len(_casts(gm)) == 2
+    assert "O2: batch_norm on cuda takes low-precision input with fp32 parameters" in \
+        amprewrite.explain(gm)
+    out, expected = gm(x), _eager_o2(ref, x, dtype)
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
+    for name in ("running_mean", "running_var"):
+        stat = getattr(model.bn, name)
+        assert stat.dtype == torch.float32 and torch.equal(stat, getattr(ref.bn, name))
+    out.square().mean().backward()
+    expected.square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_the_mixed_input_table() -> None:

@@ -84,24 +84,11 @@ KNOWN_GAPS = {
     ("composites", "export", "cuda"):
         "torch.export cannot trace gru_cell on CUDA: its CUDA kernel, "
         "aten::_thnn_fused_gru_cell, has no fake (meta) implementation",
-    # The three below were seen on an H200 (torch 2.11) and explained on fake CUDA tensors
-    # (make_fx under CUDA autocast): autocast intercepts a composite at the first listed op
-    # on its way down and runs that op's inside with autocast off, while
-    # DecomposeCompositesPass traces a composite down to backend kernels.
-    **{("embedding_loss", path, "cuda"):
-       "CUDA autocast runs F.cross_entropy as log_softmax(x, dim, dtype=x.dtype) (explicit "
-       "dtype: not eligible, so the log-probabilities are rounded to the low dtype) and then "
-       "nll_loss in fp32; amprewrite keeps cross_entropy_loss whole and computes it in fp32 "
-       "(the traced pieces, _log_softmax and nll_loss_forward, are below autocast's level)"
-       for path in PATHS},
-    ("reductions", "symbolic_guarded", "cuda"):
-        "without example inputs F.normalize stays whole in fp32; CUDA autocast runs its pieces "
-        "(an fp32 linalg_vector_norm, then div of the low input by it), whose backward rounds "
-        "the two gradient contributions to the input separately: outputs agree, a.weight's "
-        "gradient does not",
-    ("composites", "symbolic_static", "cuda"):
-        "torch.inner is split down to aten.mm and lowered, but CUDA autocast meets "
-        "tensordot (a promote op) on the way down, so with fp32 inputs inner runs in fp32",
+    ("embedding_loss", "symbolic_guarded", "cuda"):
+        "without example inputs the C++ composite cross_entropy_loss cannot be split into what "
+        "CUDA autocast runs (log_softmax(x, 1, dtype=x.dtype), whose dtype argument is the "
+        "input's, then nll_loss in fp32), so it runs whole in fp32 and its log-probabilities "
+        "are not rounded to the input's dtype",
 }
 
 

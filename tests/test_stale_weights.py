@@ -95,6 +95,33 @@ def test_optimizer_steps_are_followed(cls: type, kind: str, kept: bool) -> None:
     changed(model, gm, kept, lambda: train_step(gm, opt))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kept", [False, True], ids=["default", "cache_weights"])
+@pytest.mark.parametrize("kind", ["foreach", "fused"])
+def test_optimizer_steps_are_followed_on_cuda(kind: str, kept: bool) -> None:
+    """On a GPU, under the CUDA preset: a fused step (no version counter moves) and a
+    foreach step are followed, bitwise against torch.autocast("cuda") after the step."""
+    model, x = mlp().cuda(), X.cuda()
+    gm = amprewrite.convert(model, (x,), policy=Policy.autocast("cuda", bf16))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, **{kind: True})
+
+    def reference() -> torch.Tensor:
+        with torch.no_grad(), torch.autocast("cuda", bf16):
+            return model(x)
+
+    with amprewrite.cache_weights(gm) if kept else _nothing():
+        with torch.no_grad():
+            before = gm(x)
+        assert torch.equal(before, reference())
+        gm(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            after = gm(x)
+    assert after.is_cuda and not torch.equal(before, after)
+    assert torch.equal(after, reference())
+
+
 @pytest.mark.parametrize("kept", [False, True], ids=["default", "cache_weights"])
 def test_ema_updated_in_place_is_followed(kept: bool) -> None:
     model, source = mlp(), mlp(1)

@@ -55,7 +55,7 @@ from .layerdrop import DecidedDraws
 from .facts import GRAD_KEY, LIFTED_CONSTANTS, REGION_KEY, TRACED_IN_FP32, Region
 from .guards import fast_input_guards
 
-__all__ = ["capture_export", "Regime"]
+__all__ = ["capture_export", "Regime", "autocast_regime"]
 
 Regime = tuple[str, torch.dtype]
 """``(device_type, low dtype)`` of the ``torch.autocast`` a model is traced under."""
@@ -107,6 +107,25 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
     return gm
 
 
+@contextlib.contextmanager
+def autocast_regime(device_type: str, dtype: torch.dtype) -> Iterator[None]:
+    """``torch.autocast(device_type, dtype)``, also for a model on fake CUDA tensors on a
+    machine without a GPU, where ``torch.autocast("cuda")`` disables itself: what its enter
+    and exit do, minus that check. The fake tensors then carry the dtypes the real AutocastCUDA
+    kernels give them, as on a GPU."""
+    enabled, low = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    torch.set_autocast_enabled(device_type, True)
+    torch.set_autocast_dtype(device_type, dtype)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled(device_type, enabled)
+        torch.set_autocast_dtype(device_type, low)
+
+
 def _export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, shapes: Any,
             regime: Regime | None, faithful: bool) -> torch.export.ExportedProgram:
     _register_hf_caches(model)
@@ -117,7 +136,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, shapes
         if faithful:
             stack.enter_context(_FaithfulConversions())
         if regime is not None:
-            stack.enter_context(torch.autocast(regime[0], dtype=regime[1]))
+            stack.enter_context(autocast_regime(*regime))
         ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
     if checkpoints.sites:
         warnings.warn(

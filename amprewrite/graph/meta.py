@@ -22,8 +22,9 @@ from torch.fx import Node
 from ..errors import AmpRewriteError
 from ..policy.tables import OpCategory
 
-__all__ = ["META_KEY", "Decision", "CastInfo", "Fp8Step", "tensor_meta", "has_tensor_meta",
-           "decision", "cast_info", "fp8_step", "RANGE_KEY", "max_abs"]
+__all__ = ["META_KEY", "Decision", "CastInfo", "Fp8Step", "PendingSplit", "tensor_meta",
+           "has_tensor_meta", "decision", "cast_info", "fp8_step", "pending_split", "RANGE_KEY",
+           "max_abs"]
 
 META_KEY = "amprewrite"
 RANGE_KEY = "amprewrite_max_abs"
@@ -70,6 +71,15 @@ class Fp8Step:
     rule: str = ""
 
 
+@dataclasses.dataclass(frozen=True)
+class PendingSplit:
+    """A composite op that DecomposeCompositesPass splits into its pieces once the dtypes of
+    its inputs are final (:mod:`amprewrite.passes.decompose`); until then no pass decides or
+    casts anything for it."""
+
+    op: str
+
+
 def tensor_meta(node: Any) -> torch.Tensor | None:
     """The fake/meta tensor recorded for ``node``; None for non-nodes and non-tensor values.
 
@@ -101,6 +111,11 @@ def decision(node: Node) -> Decision | None:
 def fp8_step(node: Node) -> Fp8Step | None:
     rec = node.meta.get(META_KEY)
     return rec if isinstance(rec, Fp8Step) else None
+
+
+def pending_split(node: Node) -> PendingSplit | None:
+    rec = node.meta.get(META_KEY)
+    return rec if isinstance(rec, PendingSplit) else None
 
 
 def cast_info(node: Node) -> CastInfo | None:

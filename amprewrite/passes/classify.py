@@ -16,44 +16,22 @@ is ``FP32_DTYPE_ARG``.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from ..capture.facts import GRAD_MODE_FUNCTIONS, REGION_KEY, Region
-from ..capture.guards import is_input_guards
+from ..capture.facts import REGION_KEY, Region
 from ..errors import AmpRewriteError
-from ..graph.meta import META_KEY, Decision, cast_info, fp8_step
+from ..graph.meta import META_KEY, Decision
 from ..graph.queries import module_paths
 from ..policy.kernels import has_low_kernel
 from ..policy.opkey import is_inplace, op_key, overload_key
 from ..policy.policy import Policy
 from ..policy.tables import OpCategory
-from ..runtime.weight_table import is_fetch
 from .calibrate import range_rule
+from .op_nodes import takes_decision
 
 __all__ = ["ClassifyPass"]
-
-_CALLS = ("call_function", "call_method", "call_module")
-
-
-def _cast_item(node: fx.Node) -> bool:
-    """``cast[i]``: an output of a multi-output cast (guarded_promote) or of the gathered
-    weight reads (``weights[i]``) is part of the cast, not an op of the model."""
-    if is_fetch(node):
-        return True
-    return (node.op == "call_function" and node.target is operator.getitem
-            and isinstance(node.args[0], fx.Node)
-            and (cast_info(node.args[0]) is not None or is_fetch(node.args[0])))
-
-
-def _is_export_guard(node: fx.Node) -> bool:
-    """torch.export's input-shape check (``self._guards_fn(x)``) and the grad-mode calls of an
-    inlined ``no_grad`` region: not ops of the model, never cast."""
-    return is_input_guards(node) or \
-        (node.op == "call_function" and node.target in GRAD_MODE_FUNCTIONS)
 
 
 def _device_type(node: fx.Node) -> str | None:
@@ -96,9 +74,7 @@ class ClassifyPass(PassBase):
     def call(self, gm: fx.GraphModule) -> PassResult:
         modified = False
         for node in gm.graph.nodes:
-            if node.op not in _CALLS or cast_info(node) is not None or _cast_item(node) \
-                    or fp8_step(node) is not None \
-                    or _is_export_guard(node):
+            if not takes_decision(node):
                 continue
             new = self.classify(node)
             old = node.meta.get(META_KEY)

@@ -1,107 +1,185 @@
-"""DecomposeCompositesPass: split unlisted composite ops the way autocast sees them.
+"""DecomposeCompositesPass: split unlisted composite ops the way autocast meets them.
 
 Autocast wraps an op only if it is listed; an unlisted op with a ``CompositeImplicitAutograd``
-kernel (``einsum``, ``tensordot``, ``inner``, ``bilinear``, ``gru_cell``, …) falls through and
-runs its decomposition, whose ops go through autocast one by one. So under CPU autocast
-``torch.einsum("bij,bjk->bik", a, b)`` computes its ``bmm`` in bf16, while ``einsum`` itself
-is not on the CPU list. A graph node for the whole op would run it in fp32.
+kernel (``einsum``, ``inner``, ``cross_entropy_loss``, ``gru_cell``, …) falls through and runs
+its kernel, whose calls go through autocast one by one. The first listed op on each path is
+cast, and its own inside runs with autocast off. So under CUDA autocast ``torch.inner(x, w)``
+meets ``tensordot`` (a promote op: fp32 inputs stay fp32), and ``F.cross_entropy`` runs
+``log_softmax(x, 1, dtype=x.dtype)`` in the input's dtype, then ``nll_loss`` in fp32. A graph
+node for the whole op would run it in one dtype.
 
-This pass replaces such a node by its decomposition (traced with ``make_fx`` on the node's
-fake inputs) when, and only when, the decomposition reaches an op the policy lists; the other
-passes then treat the pieces as autocast does. Composites whose pieces are all unlisted stay
+This pass replaces such a node by what its op calls, one level down
+(:func:`amprewrite.graph.composites.one_level`), when, and only when, a listed op lies on the
+way down; pieces that are unlisted composites themselves are split the same way in turn. The
+other passes then treat the pieces as autocast does. Composites that reach no listed op stay
 whole, so ``gm.code`` keeps its readable torch-level calls.
 
-Before (``Policy.autocast("cpu")``)::
+Before (``Policy.autocast("cuda")``)::
 
-    einsum = torch.functional.einsum('bij,bjk->bik', a, b)
+    cross_entropy = torch.nn.functional.cross_entropy(linear, targets)
 
-After::
+After (then the casts of the other passes)::
 
-    permute = torch.ops.aten.permute.default(unsqueeze, [0, 1, 3, 2]) ...
-    bmm = torch.ops.aten.bmm.default(view, view_1)
-    view_3 = torch.ops.aten.view.default(permute_4, [2, 3, 5])
+    log_softmax = torch.ops.aten.log_softmax.int(linear, 1, torch.bfloat16)
+    nll_loss = torch.ops.aten.nll_loss.default(log_softmax, targets, None, 1, -100)
 
-NB: it needs dtypes and shapes (``meta["val"]``). Without example inputs (guarded casts) the
-composite stays whole and runs in the dtype that reaches it.
+**Dtypes first.** What a composite calls can depend on its inputs' dtypes
+(``cross_entropy_loss`` passes ``dtype=x.dtype`` to ``log_softmax``), and those are known only
+once the ops before it are decided and cast. So a composite is split only when every node it
+depends on has been decided and cast; until then it is marked
+:class:`~amprewrite.graph.meta.PendingSplit`, no pass casts around it, and
+:func:`amprewrite.passes.pipeline.run_passes` runs this pass, ClassifyPass and InsertCastsPass
+again until none is pending (one more round per level of nesting).
+
+**Without dtypes** (no example inputs), only torch Python functions the policy knows autocast
+splits (its composite table: ``F.normalize``) are split, into their own code traced
+symbolically (:func:`amprewrite.graph.composites.python_body`); other composites stay whole
+and run by the composite table's rule.
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import operator
 import warnings
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from ..capture.facts import REGION_KEY
+from ..graph.composites import is_composite, one_level, python_body
+from ..graph.meta import META_KEY, PendingSplit, decision, pending_split
 from ..policy.opkey import is_inplace, op_key, overload_key
 from ..policy.policy import Policy
 from ..policy.tables import OpCategory
+from .op_nodes import takes_decision
 
 __all__ = ["DecomposeCompositesPass"]
 
 _KEPT_META = ("nn_module_stack", "stack_trace", "source_fn_stack", REGION_KEY)
+_MAX_DEPTH = 8
+"""How many levels down a composite is searched for a listed op (ATen nests about 4 deep)."""
 
 
 class DecomposeCompositesPass(PassBase):
-    """Inline the decomposition of unlisted composite ops that reach a listed op."""
+    """Split unlisted composite ops into what they call, down to the first listed ops."""
 
     def __init__(self, policy: Policy) -> None:
         super().__init__()
         self.policy = policy
+        self._reach: dict[Any, bool] = {}
+        self._warned: set[str] = set()
 
     def call(self, gm: fx.GraphModule) -> PassResult:
-        modified = False
-        for node in list(gm.graph.nodes):
-            if not self._candidate(node):
-                continue
-            sub = _trace(node)
-            if sub is None:
-                self._warn_if_reaches_listed(node)
-                continue
-            if not any(self._listed(n) for n in sub.graph.nodes):
-                continue
-            modified |= _inline(gm, node, sub)
+        static = all("val" in n.meta for n in gm.graph.nodes if n.op == "placeholder")
+        modified = self._split_static(gm) if static else self._split_guarded(gm)
         if modified:
             gm.graph.lint()
             gm.recompile()
         return PassResult(gm, modified)
 
+    # -- with dtypes -----------------------------------------------------------------------
+    def _split_static(self, gm: fx.GraphModule) -> bool:
+        settled: set[fx.Node] = set()
+        self._gone: set[fx.Node] = set()
+        modified = False
+        for node in list(gm.graph.nodes):
+            if node in self._gone:  # erased by a split (the items of a multi-output op)
+                continue
+            ready = all(a in settled for a in node.all_input_nodes)
+            if self._candidate(node):
+                modified |= self._visit(gm, node, ready, settled)
+                if node in self._gone:
+                    continue
+            if ready and _decided(node):
+                settled.add(node)
+        return modified
+
+    def _visit(self, gm: fx.GraphModule, node: fx.Node, ready: bool,
+               settled: set[fx.Node]) -> bool:
+        """Split ``node`` (if its inputs are settled), mark it pending (if not), or leave it
+        whole (if it reaches no listed op). Whether the graph changed."""
+        was_pending = pending_split(node) is not None
+        key = _signature(node)
+        sub = one_level(node) if self._reach.get(key, True) else None
+        if sub is None or not self._reaches(sub):
+            if sub is None and key not in self._reach:
+                self._warn_if_reaches_listed(node)
+            self._reach[key] = False  # whole: not traced again on later rounds
+            if was_pending:
+                del node.meta[META_KEY]
+            return was_pending
+        if not ready:
+            node.meta[META_KEY] = PendingSplit(op_key(node))
+            return not was_pending
+        pieces = _inline(gm, node, sub, self._gone)
+        if pieces is None:
+            if was_pending:
+                del node.meta[META_KEY]
+            return was_pending
+        # Pieces that read only settled values (the op a torch-level call reaches, which
+        # takes the call's own inputs) are split at once; the others once decided and cast.
+        for piece in pieces:
+            if self._candidate(piece):
+                self._visit(gm, piece, all(a in settled for a in piece.all_input_nodes),
+                            settled)
+        return True
+
     def _candidate(self, node: fx.Node) -> bool:
         if node.op not in ("call_function", "call_method") or is_inplace(node):
             return False
+        if not takes_decision(node) and pending_split(node) is None:
+            return False  # a cast, an fp8 step, export's input guard
         if not isinstance(node.meta.get("val"), torch.Tensor) and not _tensor_tuple(node):
             return False
         if any(not isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes):
             return False
-        key = op_key(node)
-        policy = self.policy
+        return self._unlisted(node) and is_composite(node)
+
+    def _unlisted(self, node: fx.Node) -> bool:
         region = node.meta.get(REGION_KEY)
         if region is not None and not region.enabled:
             return False  # the model's own enabled=False region: nothing is autocast
-        if policy.table_rule(key, overload_key(node)) is not None or \
-                policy.op_override(key) is not None:
-            return False
-        return _is_composite(node, key)
+        key = op_key(node)
+        return self.policy.table_rule(key, overload_key(node)) is None and \
+            self.policy.op_override(key) is None
+
+    def _reaches(self, sub: fx.GraphModule, depth: int = 0) -> bool:
+        """Whether a listed op lies on the way down ``sub``'s composites."""
+        for n in sub.graph.nodes:
+            if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+                continue
+            if self._listed(n):
+                return True
+            if depth >= _MAX_DEPTH or is_inplace(n) or not self._unlisted(n) or \
+                    not is_composite(n):
+                continue
+            key = _signature(n)
+            if key not in self._reach:
+                inner = one_level(n)
+                self._reach[key] = inner is not None and self._reaches(inner, depth + 1)
+            if self._reach[key]:
+                return True
+        return False
 
     def _warn_if_reaches_listed(self, node: fx.Node) -> None:
         """A node that cannot be traced on its own fake inputs (an ATen kernel that rejects
         symbolic sizes, as ``aten.lstm`` does under export's dynamic shapes): trace it on
         concrete sizes only to tell the user when it stays whole where autocast would not."""
-        sub = _trace(node, concrete=True)
-        listed = sorted({op_key(n) for n in sub.graph.nodes if self._listed(n)}) if sub else []
-        if listed:
-            warnings.warn(
-                f"amprewrite: {node.format_node()} could not be split into its ATen pieces "
-                f"(its kernel rejects symbolic sizes), so it runs whole in the dtype that "
-                f"reaches it; torch.autocast would run its {', '.join(listed)} per the "
-                f"policy. Results may differ from torch.autocast for this op.", stacklevel=2)
+        if node.name in self._warned:
+            return
+        sub = one_level(node, concrete=True)
+        if sub is None or not self._reaches(sub):
+            return
+        self._warned.add(node.name)
+        listed = sorted({op_key(n) for n in sub.graph.nodes if self._listed(n)}) or \
+            [f"pieces of {op_key(node)}"]
+        warnings.warn(
+            f"amprewrite: {node.format_node()} could not be split into its ATen pieces "
+            f"(its kernel rejects symbolic sizes), so it runs whole in the dtype that "
+            f"reaches it; torch.autocast would run its {', '.join(listed)} per the "
+            f"policy. Results may differ from torch.autocast for this op.", stacklevel=2)
 
     def _listed(self, node: fx.Node) -> bool:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
@@ -109,77 +187,85 @@ class DecomposeCompositesPass(PassBase):
         rule = self.policy.table_rule(op_key(node), overload_key(node))
         return rule is not None and rule[0] is not OpCategory.PASSTHROUGH
 
+    # -- without dtypes --------------------------------------------------------------------
+    def _split_guarded(self, gm: fx.GraphModule) -> bool:
+        modified = False
+        work = list(gm.graph.nodes)
+        while work:
+            node = work.pop(0)
+            key = op_key(node) if node.op == "call_function" else ""
+            if not key or self.policy.composite_rule(key) is None or not self._unlisted(node):
+                continue
+            body = python_body(node)
+            if body is None or not any(self._listed_torch_level(n, key) for n in body.nodes):
+                continue
+            pieces = _inline(gm, node, body, set())
+            if pieces is not None:
+                work[:0] = pieces
+                modified = True
+        return modified
+
+    def _listed_torch_level(self, node: fx.Node, whole: str) -> bool:
+        """A piece of a torch-level split that some rule lists (its table, or its composite
+        table: a torch-level call of a composite is decided as a whole), other than the op
+        that was split (``F.pairwise_distance`` calls ``torch.pairwise_distance``)."""
+        if node.op not in ("call_function", "call_method") or op_key(node) == whole:
+            return False
+        key = op_key(node)
+        rule = self.policy.table_rule(key, overload_key(node)) or \
+            self.policy.composite_rule(key)
+        return rule is not None and rule[0] is not OpCategory.PASSTHROUGH
+
+
+def _decided(node: fx.Node) -> bool:
+    """Whether ``node``'s dtype is final: a placeholder, an attribute, a cast, or an op that
+    ClassifyPass decided (and so InsertCastsPass cast); not a piece of a split that no pass
+    has seen yet, nor a composite waiting to be split."""
+    if node.op in ("placeholder", "get_attr"):
+        return True
+    if pending_split(node) is not None:
+        return False
+    return not takes_decision(node) or decision(node) is not None
+
+
+def _signature(node: fx.Node) -> Any:
+    """What the decomposition of ``node``'s op can depend on: the op, its arguments, and the
+    dtype and shape of each tensor among them."""
+    def describe(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            val = a.meta.get("val")
+            return (val.dtype, str(tuple(val.shape))) if isinstance(val, torch.Tensor) else a
+        return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype)) else repr(a)
+
+    args = fx.node.map_aggregate(node.args, describe)
+    kwargs = fx.node.map_aggregate(node.kwargs, describe)
+    return node.target, repr(args), repr(sorted(kwargs.items(), key=str))
+
 
 def _tensor_tuple(node: fx.Node) -> bool:
     val = node.meta.get("val")
     return isinstance(val, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in val)
 
 
-def _is_composite(node: fx.Node, key: str) -> bool:
-    """Whether the op behind ``node`` is made of other ops: an ATen op with a
-    CompositeImplicitAutograd kernel, or a Python function of torch (``F.normalize``,
-    ``torch.functional.norm``), which reaches ATen only through the ops it calls."""
-    cia = torch._C.DispatchKey.CompositeImplicitAutograd
-    if isinstance(node.target, torch._ops.OpOverload):
-        return node.target.has_kernel_for_dispatch_key(cia)
-    if node.op == "call_function" and inspect.isfunction(node.target) and \
-            (getattr(node.target, "__module__", None) or "").startswith("torch."):
-        return True
-    packet = getattr(torch.ops.aten, key, None)
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
-        return False
-    for name in packet.overloads():
-        try:
-            if getattr(packet, name).has_kernel_for_dispatch_key(cia):
-                return True
-        except RuntimeError:  # a TorchScript-only overload (aten::add.t): not dispatchable
-            continue
-    return False
-
-
-def _trace(node: fx.Node, concrete: bool = False) -> fx.GraphModule | None:
-    """The node's op as an ATen graph of its decomposition, or None if it cannot be traced.
-
-    ``concrete``: trace on meta tensors of the size hints instead of the fake inputs (the
-    graph is then specialised to those sizes: only fit for inspection)."""
-    inputs = node.all_input_nodes
-    vals = [a.meta["val"] for a in inputs]
-    mode = detect_fake_mode(vals)
-    if mode is None:
-        return None
-    if concrete:
-        vals = [torch.empty([s if isinstance(s, int) else s.node.hint for s in v.shape],
-                            dtype=v.dtype, device="meta") for v in vals]
-        mode = contextlib.nullcontext()  # type: ignore[assignment]
-
-    def run(*xs: Any) -> Any:
-        env = dict(zip(inputs, xs))
-        args = fx.node.map_arg(node.args, lambda n: env[n])
-        kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
-        if node.op == "call_method":
-            return getattr(args[0], str(node.target))(*args[1:], **kwargs)
-        return node.target(*args, **kwargs)
-
-    try:
-        with mode:
-            return make_fx(run, tracing_mode="real")(*vals)
-    except Exception:  # an op make_fx cannot follow: keep the node whole, as before
-        return None
-
-
-def _inline(gm: fx.GraphModule, node: fx.Node, sub: fx.GraphModule) -> bool:
+def _inline(gm: fx.GraphModule, node: fx.Node, sub: fx.GraphModule | fx.Graph,
+            gone: set[fx.Node]) -> list[fx.Node] | None:
+    """Replace ``node`` by the nodes of ``sub`` (its placeholders are ``node``'s inputs) and
+    add the nodes erased to ``gone``; the new nodes, or None where ``node``'s tuple output is
+    used whole."""
     graph = gm.graph
-    output = next(n for n in sub.graph.nodes if n.op == "output")
+    sub_graph = sub.graph if isinstance(sub, fx.GraphModule) else sub
+    output = next(n for n in sub_graph.nodes if n.op == "output")
     results = output.args[0]
     multi = isinstance(results, (tuple, list))
     if multi and not all(u.op == "call_function" and u.target is operator.getitem
                          for u in node.users):
-        return False  # a tuple used whole: keep the node rather than rebuild the tuple
-    env: dict[fx.Node, Any] = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"],
+        return None  # a tuple used whole: keep the node rather than rebuild the tuple
+    env: dict[fx.Node, Any] = dict(zip([n for n in sub_graph.nodes if n.op == "placeholder"],
                                        node.all_input_nodes))
     kept = {k: node.meta[k] for k in _KEPT_META if k in node.meta}
+    pieces = []
     with graph.inserting_before(node):
-        for sub_node in sub.graph.nodes:
+        for sub_node in sub_graph.nodes:
             if sub_node.op in ("placeholder", "output"):
                 continue
             if sub_node.op == "get_attr":  # a constant the decomposition made
@@ -188,6 +274,7 @@ def _inline(gm: fx.GraphModule, node: fx.Node, sub: fx.GraphModule) -> bool:
                 new = graph.create_node("get_attr", name)
             else:
                 new = graph.node_copy(sub_node, lambda n: env[n])
+                pieces.append(new)
             new.meta = {**kept, **{k: v for k, v in sub_node.meta.items()
                                    if k in ("val", "tensor_meta")}}
             env[sub_node] = new
@@ -196,7 +283,9 @@ def _inline(gm: fx.GraphModule, node: fx.Node, sub: fx.GraphModule) -> bool:
         for user in list(node.users):
             user.replace_all_uses_with(mapped[user.args[1]])
             graph.erase_node(user)
+            gone.add(user)
     else:
         node.replace_all_uses_with(mapped)
     graph.erase_node(node)
-    return True
+    gone.add(node)
+    return pieces

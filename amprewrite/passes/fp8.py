@@ -30,9 +30,13 @@ After::
     fc_weight_amax = amprewrite_runtime_fp8_amax(fc_weight)
     fc_weight_scale = amprewrite_runtime_fp8_scale(fc_weight_amax, torch.float8_e4m3fn)
     fc_weight_e4m3 = amprewrite_runtime_fp8_quantize(fc_weight, fc_weight_scale, torch.float8_e4m3fn)
-    linear_scaled_mm = amprewrite_runtime_fp8_scaled_mm(x_e4m3, fc_weight_e4m3, x_scale, fc_weight_scale, torch.bfloat16)
-    linear_fp8_grad = amprewrite_runtime_fp8_fp8_linear_grad(linear_scaled_mm, x, fc_weight, x_e4m3, x_scale, fc_weight_e4m3, fc_weight_scale)
+    linear_scaled_mm = amprewrite_runtime_fp8_scaled_mm(x_e4m3, fc_weight_e4m3, x_scale, fc_weight_scale, torch.bfloat16, pad_to = 16)
+    linear_fp8_grad = amprewrite_runtime_fp8_fp8_linear_grad(linear_scaled_mm, x, fc_weight, x_e4m3, x_scale, fc_weight_e4m3, fc_weight_scale, pad_to = 16)
     linear_bias = torch.add(linear_fp8_grad, fc_bias_bf16)
+
+Every scaled matmul, forward and backward, is valid for CUDA's ``torch._scaled_mm`` whatever
+the token count: ``pad_to = 16`` pads the shared dimension and the output columns with zeros
+where they are not multiples of 16 (:func:`amprewrite.runtime.fp8.scaled_mm_2d`).
 
 NB: only ``linear`` nodes are rewritten; a model that calls ``x @ w.t()`` on a parameter
 itself, or a capture that lowered ``linear`` to ``addmm`` (``run_decompositions``), keeps
@@ -134,10 +138,13 @@ class Fp8LinearPass(PassBase):
         with self.graph.inserting_before(node):
             x_scale, x_q = self._quantized(x, node)
             w_scale, w_q = self._quantized(weight, node)
+            # pad_to: CUDA's shape rules for every scaled matmul (runtime.fp8.scaled_mm_2d)
+            pad = {"pad_to": rt.CUDA_MULTIPLE}
             mm = self._new(rt.scaled_mm, (x_q, w_q, x_scale, w_scale, torch.bfloat16),
-                           f"{node.name}_scaled_mm", node, Fp8Step("matmul", torch.bfloat16, rule))
+                           f"{node.name}_scaled_mm", node, Fp8Step("matmul", torch.bfloat16, rule),
+                           pad)
             out = self._new(rt.fp8_linear_grad, (mm, x, weight, x_q, x_scale, w_q, w_scale),
-                            f"{node.name}_fp8_grad", node, Fp8Step("grad", None))
+                            f"{node.name}_fp8_grad", node, Fp8Step("grad", None), pad)
             if bias is not None:
                 out = self._new(torch.add, (out, bias), f"{node.name}_bias", node,
                                 Fp8Step("bias", torch.bfloat16))
@@ -168,8 +175,8 @@ class Fp8LinearPass(PassBase):
         return self.shared[value]
 
     def _new(self, target: Callable, args: tuple, name: str, near: fx.Node,
-             step: Fp8Step) -> fx.Node:
-        node = self.graph.create_node("call_function", target, args, name=name)
+             step: Fp8Step, kwargs: dict[str, Any] | None = None) -> fx.Node:
+        node = self.graph.create_node("call_function", target, args, kwargs, name=name)
         node.meta[META_KEY] = step
         for key in ("nn_module_stack", "stack_trace", GRAD_KEY):
             if key in near.meta:

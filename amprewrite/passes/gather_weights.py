@@ -141,11 +141,14 @@ class GatherWeightsPass(PassBase):
             previous.append(node)
             previous = node
         # Each cast reads its item where its first consumer runs (the cast's backward then
-        # runs right after the consumer's: see WeightCastCache.lookup_many).
+        # runs right after the consumer's: see WeightCastCache.lookup_many). A cast already
+        # before its first consumer stays there: InsertCastsPass ordered the casts of one op
+        # as autocast makes them.
         for cast, i in casts:
             cast.args = (cast.args[0], items[i], cast.args[2])
-            if cast.users:
-                min(cast.users, key=order.__getitem__).prepend(cast)
+            first = min(cast.users, key=order.__getitem__, default=None)
+            if first is not None and order[cast] > order[first]:
+                first.prepend(cast)
         for node in [*reads, *(node for node, _ in replaced)]:
             if not node.users and node.op in ("get_attr", "call_function"):
                 graph.erase_node(node)  # a read all of whose casts read another item

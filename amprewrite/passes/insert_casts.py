@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import operator
 from typing import Any, Callable
 
@@ -137,17 +138,26 @@ class InsertCastsPass(PassBase):
     def _cast_all(self, node: fx.Node, rec: Decision,
                   target: Callable[[fx.Node], torch.dtype | None]) -> bool:
         casts: list[str] = []
+        # Autocast casts the arguments of an op last one first (the C++ arguments of its
+        # wrapper, which GCC-built PyTorch evaluates right to left; a list's elements in
+        # order): the same order gives the same autograd graph, so gradients that meet are
+        # summed in the same order.
+        made: dict[tuple[int, int], fx.Node] = {}
+        arguments = [*node.args, *node.kwargs.values()]
+        for i in reversed(range(len(arguments))):
+            for j, arg in enumerate(_nodes_in(arguments[i])):
+                dtype = target(arg)
+                if dtype is not None and self._needs_cast(arg, dtype):
+                    made[i, j] = self._cast(arg, dtype, node)
+        casts.extend(made[key].name for key in sorted(made))
 
-        def replace(arg: fx.Node) -> fx.Node:
-            dtype = target(arg)
-            if dtype is None or not self._needs_cast(arg, dtype):
-                return arg
-            cast = self._cast(arg, dtype, node)
-            casts.append(cast.name)
-            return cast
+        def replacing(i: int) -> Callable[[fx.Node], fx.Node]:
+            count = itertools.count()
+            return lambda arg: made.get((i, next(count)), arg)
 
-        node.args = fx.node.map_arg(node.args, replace)
-        node.kwargs = fx.node.map_arg(node.kwargs, replace)
+        node.args = tuple(fx.node.map_arg(a, replacing(i)) for i, a in enumerate(node.args))
+        node.kwargs = {k: fx.node.map_arg(v, replacing(len(node.args) + i))
+                       for i, (k, v) in enumerate(node.kwargs.items())}
         if casts:
             self.changed.add(node)
             node.meta[META_KEY] = dataclasses.replace(
@@ -334,6 +344,13 @@ def _stateful(node: fx.Node) -> bool:
         return True
     return (node.op == "call_function" and node.target in GRAD_MODE_FUNCTIONS) or \
         is_input_guards(node) or is_fetch(node)
+
+
+def _nodes_in(argument: Any) -> list[fx.Node]:
+    """The nodes of one argument, in order (several for a list of tensors)."""
+    found: list[fx.Node] = []
+    fx.node.map_arg(argument, found.append)
+    return found
 
 
 def _promoted_item(node: fx.Node) -> bool:

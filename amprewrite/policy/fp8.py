@@ -9,8 +9,11 @@ the words ``explain()`` prints in its ``rule`` column:
   (torchao's ``module_filter_fn``, as data).
 * ``skip_first_last``: the first and the last linear layer a forward calls stay in bf16 (the
   input projection and the output head are the most sensitive to quantisation).
-* ``dim_multiple``: both dimensions of the weight must be divisible by it (16: what the fp8
-  tensor cores need; torchao's filter example skips the others).
+* ``dim_multiple``: both dimensions of the weight must be divisible by it (16: the shapes
+  fp8 tensor cores take as they are; torchao's filter example skips the others). A layer
+  that passes with a smaller value is still valid on CUDA: its scaled matmuls pad the
+  weight's dimensions with zeros at each call (:func:`amprewrite.runtime.fp8.scaled_mm_2d`),
+  which costs a copy of the operands.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ class Fp8Rules:
         modules: globs; a linear layer runs in fp8 only if its qualified name matches one.
         exclude: globs; a linear layer whose qualified name matches one stays in bf16.
         skip_first_last: keep the first and the last linear layer of a forward in bf16.
-        dim_multiple: both weight dimensions must be divisible by this (1 turns it off).
+        dim_multiple: both weight dimensions must be divisible by this (1 turns it off: the
+            matmuls of other shapes are padded at each call).
     """
 
     modules: tuple[str, ...] = ("*",)
@@ -61,7 +65,8 @@ class Fp8Rules:
         m = self.dim_multiple
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"Policy.fp8(dim_multiple={m!r}): expected an int >= 1 (16 is "
-                             "what fp8 tensor cores need; 1 turns the check off)")
+                             "what fp8 tensor cores take without padding; 1 turns the "
+                             "check off)")
 
     def describe(self) -> str:
         parts = ["fp8 linears (e4m3, e5m2 grads, per-tensor scales)"]

@@ -156,12 +156,13 @@ def test_converted_graph_rows_carry_nodes_and_casts_are_labelled():
         gm(x)
     forward = [(r.label, r.node, r.module) for r in report.records]
     # Each parameter is cast where its layer uses it, by its own cast node (in grad mode: the
-    # cast's backward then runs right after its consumer's).
+    # cast's backward then runs right after its consumer's); an op's arguments are cast last
+    # first, in the order autocast casts them.
     assert forward == [
-        ("cast (_to_copy)", "x_bf16", "fc1"), ("cast (_to_copy)", "fc1_weight_bf16", "fc1"),
-        ("cast (_to_copy)", "fc1_bias_bf16", "fc1"), ("addmm", "linear", "fc1"),
-        ("relu", "relu", "act"), ("cast (_to_copy)", "fc2_weight_bf16", "fc2"),
-        ("cast (_to_copy)", "fc2_bias_bf16", "fc2"), ("addmm", "linear_1", "fc2")]
+        ("cast (_to_copy)", "fc1_bias_bf16", "fc1"), ("cast (_to_copy)", "fc1_weight_bf16", "fc1"),
+        ("cast (_to_copy)", "x_bf16", "fc1"), ("addmm", "linear", "fc1"),
+        ("relu", "relu", "act"), ("cast (_to_copy)", "fc2_bias_bf16", "fc2"),
+        ("cast (_to_copy)", "fc2_weight_bf16", "fc2"), ("addmm", "linear_1", "fc2")]
     casts = [r for r in report.records if r.cast]
     # 30 weights and x's 8 values, cast to 2 bytes each
     assert sum(r.cast_bytes for r in casts) == 2 * (30 + 8)
@@ -174,7 +175,7 @@ def test_symbolic_capture_without_example_inputs_is_attributed():
         gm(_x())
     assert ("addmm", "linear", "fc1") in [(r.op, r.node, r.module) for r in report.records]
     assert [r.node for r in report.records if r.cast] == [
-        "x_f16", "fc1_weight_f16", "fc1_bias_f16", "fc2_weight_f16", "fc2_bias_f16"]
+        "fc1_bias_f16", "fc1_weight_f16", "x_f16", "fc2_bias_f16", "fc2_weight_f16"]
 
 
 def test_inference_mode_and_no_grad():

@@ -62,13 +62,13 @@ non-finite producers (inf/NaN from finite inputs, or NaN from NaN-free ones); fi
   4  forward  relu             relu           f16                   300          overflowed (1)
   1  forward  cast (_to_copy)  fc_weight_f16  f16                   400                     7.4
   5  forward  cast (_to_copy)                 f32                   300                     7.8
-  0  forward  cast (_to_copy)  x_f16          f16                   100                     9.4
+  2  forward  cast (_to_copy)  x_f16          f16                   100                     9.4
 
   #  ph    op                  node/module    module    in           out    shape      max|x|    min|x|>0    nonfinite    >f16max    <f16tiny
 ---  ----  ------------------  -------------  --------  -----------  -----  -------  --------  ----------  -----------  ---------  ----------
-  0  for   cast (_to_copy)     x_f16          fc        f32          f16    1x2           100         100            0          0           0
+  0  for   cast (_to_copy)     fc_bias_f16    fc        f32          f16    2             0.5         0.5            0          0           0
   1  for   cast (_to_copy)     fc_weight_f16  fc        f32          f16    2x2           400           1            0          0           0
-  2  for   cast (_to_copy)     fc_bias_f16    fc        f32          f16    2             0.5         0.5            0          0           0
+  2  for   cast (_to_copy)     x_f16          fc        f32          f16    1x2           100         100            0          0           0
   3  for   addmm               linear         fc        f16,f16,f16  f16    1x2           300         300           1*          1           0
   4  for   relu                relu                     f16          f16    1x2           300         300            1          1           0
   5  for   cast (_to_copy)                              f16          f32    1x2           300         300            1          0           0
@@ -78,8 +78,8 @@ non-finite producers (inf/NaN from finite inputs, or NaN from NaN-free ones); fi
   9  bac   threshold_backward  relu                     f16,f16      f16    1x2             1           1            0          0           0
  10  bac   mm                  linear         fc        f16,f16      f16    2x2           100         100            0          0           0
  11  bac   sum                 linear         fc        f16          f16    1x2             1           1            0          0           0
- 12  bac   cast (_to_copy)     fc_bias_f16    fc        f16          f32    2               1           1            0          0           0
- 13  bac   cast (_to_copy)     fc_weight_f16  fc        f16          f32    2x2           100         100            0          0           0
+ 12  bac   cast (_to_copy)     fc_weight_f16  fc        f16          f32    2x2           100         100            0          0           0
+ 13  bac   cast (_to_copy)     fc_bias_f16    fc        f16          f32    2               1           1            0          0           0
 (* = produced the inf/NaN, did not only pass it on)
 
 gradient magnitudes (backward op outputs)

@@ -103,6 +103,9 @@ class DecomposeCompositesPass(PassBase):
         was_pending = pending_split(node) is not None
         key = _signature(node)
         sub = one_level(node) if self._reach.get(key, True) else None
+        if sub is not None and _bakes_sizes(node, sub):
+            self._reach[key] = False  # kept whole: its split would fix dynamic sizes
+            sub = None
         if sub is None or not self._reaches(sub):
             if sub is None and key not in self._reach:
                 self._warn_if_reaches_listed(node)
@@ -135,6 +138,8 @@ class DecomposeCompositesPass(PassBase):
             return False
         if any(not isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes):
             return False
+        if not any(v.is_floating_point() for v in _tensor_vals(node)):
+            return False  # autocast touches floating tensors only: nothing to split for
         return self._unlisted(node) and is_composite(node)
 
     def _unlisted(self, node: fx.Node) -> bool:
@@ -240,6 +245,31 @@ def _signature(node: fx.Node) -> Any:
     args = fx.node.map_aggregate(node.args, describe)
     kwargs = fx.node.map_aggregate(node.kwargs, describe)
     return node.target, repr(args), repr(sorted(kwargs.items(), key=str))
+
+
+def _tensor_vals(node: fx.Node) -> list[torch.Tensor]:
+    """The tensors ``node`` reads and makes (their fake values)."""
+    out = node.meta.get("val")
+    made = list(out) if isinstance(out, (tuple, list)) else [out]
+    return [v for v in [*(a.meta.get("val") for a in node.all_input_nodes), *made]
+            if isinstance(v, torch.Tensor)]
+
+
+def _bakes_sizes(node: fx.Node, sub: fx.GraphModule) -> bool:
+    """Whether ``sub`` (traced on the size hints of ``node``'s inputs) holds one of their
+    dynamic sizes as a number: its split would compute for the example's size only (a
+    ``narrow`` of length 8 where the sequence may be any length). NB: a small dimension
+    index equal to a hint by chance also counts; the op then stays whole, as before any
+    split."""
+    hints = {int(s.node.hint) for v in _tensor_vals(node) for s in v.shape
+             if isinstance(s, torch.SymInt) and s.node.hint is not None}
+    if not hints:
+        return False
+    for n in sub.graph.nodes:
+        for arg in torch.utils._pytree.tree_leaves((n.args, n.kwargs)):
+            if type(arg) is int and arg in hints:
+                return True
+    return False
 
 
 def _tensor_tuple(node: fx.Node) -> bool:

@@ -12,7 +12,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .capture.converted import MODEL_KEY, capture_converted, is_converted
-from .capture.export import Regime, capture_export
+from .capture.export import Regime, capture_export, dynamic_shapes
 from .capture.modes import (
     MODE_KEY,
     MODES_ATTR,
@@ -25,6 +25,7 @@ from .capture.modes import (
     not_captured_graph,
     share_state,
 )
+from .capture.logs import quiet_capture_logs
 from .capture.persistence import match_persistence
 from .capture.state import preserved_global_state
 from .capture.symbolic import capture_symbolic, propagate_meta
@@ -134,7 +135,7 @@ def convert(
                          "fp8 matmuls write bf16 and whose other ops run in bf16. Drop dtype=...")
     if opt_level != "O0":
         warn_if_slow(model_device(model, example_inputs, example_kwargs), low)
-    with preserved_global_state():
+    with preserved_global_state(), quiet_capture_logs():
         gm = _capture_and_rewrite(model, example_inputs, example_kwargs, policy, low, capture,
                                   opt_level, calibration)
         if opt_level != "O3":  # O3 runs on its own copy of the model: nothing is shared
@@ -206,7 +207,7 @@ class _OtherMode(PendingMode):
         if pair is None:
             pair = _ModePair()
             pair.main, pair.main_code = main, self.main_code
-        with preserved_global_state():
+        with preserved_global_state(), quiet_capture_logs():
             other = self._capture(main, training, pair)
         if other is None:
             return None
@@ -264,10 +265,14 @@ def _export_and_rewrite(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
                         policy: Policy, low: torch.dtype, opt_level: str,
                         calibration: list[CalibrationInput] | None,
                         pair: _ModePair) -> fx.GraphModule | None:
-    """Export with dynamic dimensions and rewrite; if either fails under symbolic sizes
-    (some ATen meta kernels reject them), export again with the example's static shapes."""
+    """Export with dynamic dimensions (:func:`~.capture.export.dynamic_dims`) and rewrite;
+    if either fails under symbolic sizes (some ATen meta kernels reject them), export again
+    with the example's static shapes."""
     regime = _regime(model, args, kwargs, policy, low, opt_level)
     faithful = opt_level != "O0"
+    if dynamic_shapes(args, kwargs) is None:  # nothing to make dynamic: one static export
+        gm = capture_export(model, args, kwargs, regime=regime, dynamic=False, faithful=faithful)
+        return _rewrite(gm, model, policy, low, opt_level, calibration, pair)
     try:
         gm = capture_export(model, args, kwargs, regime=regime, dynamic=True, faithful=faithful)
     except AmpRewriteError as exc:

@@ -54,7 +54,7 @@ from .layerdrop import DecidedDraws
 from .facts import GRAD_KEY, LIFTED_CONSTANTS, REGION_KEY, TRACED_IN_FP32, Region
 from .guards import fast_input_guards
 
-__all__ = ["capture_export", "Regime"]
+__all__ = ["capture_export", "dynamic_dims", "dynamic_shapes", "Regime"]
 
 Regime = tuple[str, torch.dtype]
 """``(device_type, low dtype)`` of the ``torch.autocast`` a model is traced under."""
@@ -74,7 +74,7 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
         faithful: record dtype conversions and device moves as eager runs them (see
             :class:`_FaithfulConversions`); off for O0, which keeps the graph as exported.
     """
-    shapes = _auto_dynamic_shapes(args, kwargs) if dynamic else None
+    shapes = dynamic_shapes(args, kwargs) if dynamic else None
     try:
         ep = _export(model, args, kwargs, shapes, regime, faithful)
     except Exception as exc:
@@ -109,6 +109,7 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
 def _export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, shapes: Any,
             regime: Regime | None, faithful: bool) -> torch.export.ExportedProgram:
     _register_hf_caches(model)
+    args, kwargs = _fresh_aliases((args, kwargs or {}))
     checkpoints = CheckpointSites()
     with contextlib.ExitStack() as stack:
         stack.enter_context(DecidedDraws())
@@ -142,6 +143,26 @@ def _export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, shapes
 
 
 _OWN_DIRS = (__file__.rsplit("/", 2)[0] + "/", TORCH_DIR)
+
+
+def _fresh_aliases(inputs: Any) -> Any:
+    """``inputs`` with every tensor replaced by a new tensor object on the same memory (one per
+    tensor: an input passed twice stays one).
+
+    NB: torch.export marks the tensors it traces with dynamic dimensions
+    (``_dynamo_weak_dynamic_indices``), and a failed export leaves the marks on them: the
+    user's tensors would carry them into their own ``torch.compile`` calls, and the static
+    export that follows a failed dynamic one would trace dynamic dimensions again (slowly,
+    and failing the same way)."""
+    made: dict[int, torch.Tensor] = {}
+
+    def alias(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            fresh = t.detach()
+            made[id(t)] = fresh.requires_grad_() if t.requires_grad else fresh
+        return made[id(t)]
+
+    return torch.utils._pytree.tree_map_only(torch.Tensor, alias, inputs)
 
 
 def _user_stacklevel() -> int:
@@ -188,12 +209,34 @@ def _capture_error(model: nn.Module, exc: BaseException) -> AmpRewriteError:
         "amprewrite.compile(model) (a torch.compile backend) instead.")
 
 
-def _auto_dynamic_shapes(args: tuple, kwargs: dict[str, Any] | None) -> Any:
+def dynamic_dims(x: torch.Tensor) -> range:
+    """The dimensions of an example input that the capture makes dynamic where the model lets
+    them vary: every one (batch, sequence, features) of an integer tensor and of a floating
+    one of up to 3 dimensions; none of a floating tensor of 4 or more (images, video,
+    volumes), whose capture keeps the example's sizes, batch included.
+
+    NB: symbolic sizes of an image cost more than they give. torch.export then reasons about
+    every size expression the model computes from them (strided convolutions and pooling,
+    padding, window partitions, an LSTM over rows), which takes 2 to 5 times as long as a
+    static export even with the batch alone dynamic (torch 2.14: 2.6x for a segmentation
+    MobileNet, 4.5x for Sequencer2d), and the passes after it run on symbolic sizes too. A
+    vision model runs at the resolution it was built for; a call with another batch size
+    raises, naming the argument (convert for that size, or use ``amprewrite.compile``)."""
+    return range(x.dim() if x.dim() <= 3 or not x.is_floating_point() else 0)
+
+
+def dynamic_shapes(args: tuple, kwargs: dict[str, Any] | None) -> Any:
+    """torch.export's ``dynamic_shapes`` for the example inputs (:func:`dynamic_dims`), or
+    None where no dimension is dynamic."""
     auto = torch.export.Dim.AUTO
+    dynamic = False
 
     def spec(x: Any) -> Any:
+        nonlocal dynamic
         if isinstance(x, torch.Tensor):
-            return {i: auto for i in range(x.dim())}
+            dims = dynamic_dims(x)
+            dynamic = dynamic or len(dims) > 0
+            return {i: auto for i in dims}
         if isinstance(x, (list, tuple)):
             return type(x)(spec(v) for v in x)
         if isinstance(x, dict):
@@ -202,7 +245,8 @@ def _auto_dynamic_shapes(args: tuple, kwargs: dict[str, Any] | None) -> Any:
 
     if kwargs:
         return None  # mixing positional and keyword specs: keep shapes static
-    return tuple(spec(a) for a in args)
+    shapes = tuple(spec(a) for a in args)
+    return shapes if dynamic else None
 
 
 # ---------------------------------------------------------------------------------------------

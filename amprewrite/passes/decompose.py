@@ -40,6 +40,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from ..capture.facts import REGION_KEY
+from ..graph.meta import PIECES_KEY
 from ..policy.opkey import is_inplace, op_key, overload_key
 from ..policy.policy import Policy
 from ..policy.tables import OpCategory
@@ -58,14 +59,26 @@ class DecomposeCompositesPass(PassBase):
 
     def call(self, gm: fx.GraphModule) -> PassResult:
         modified = False
+        # NB: a trace costs tens of milliseconds (make_fx), and a vision model holds a hundred
+        # batch norms: calls like one whose decomposition reached no listed op are not traced
+        # again. Like: the same op and non-tensor arguments, tensors of the same dtype, rank,
+        # device and autograd flag (the sizes differ; decompositions of one op that reach a
+        # listed op at some sizes only are not known to exist).
+        whole: dict[tuple, frozenset[str]] = {}  # signature -> the pieces' op names
         for node in list(gm.graph.nodes):
             if not self._candidate(node):
+                continue
+            like = _signature(node)
+            if like in whole:
+                node.meta[PIECES_KEY] = whole[like]
                 continue
             sub = _trace(node)
             if sub is None:
                 self._warn_if_reaches_listed(node)
                 continue
             if not any(self._listed(n) for n in sub.graph.nodes):
+                whole[like] = node.meta[PIECES_KEY] = frozenset(
+                    op_key(n) for n in sub.graph.nodes if n.op == "call_function")
                 continue
             modified |= _inline(gm, node, sub)
         if modified:
@@ -108,6 +121,18 @@ class DecomposeCompositesPass(PassBase):
             return False
         rule = self.policy.table_rule(op_key(node), overload_key(node))
         return rule is not None and rule[0] is not OpCategory.PASSTHROUGH
+
+
+def _signature(node: fx.Node) -> tuple:
+    """``node``'s op and arguments, each tensor as its dtype, rank, device and autograd flag."""
+    def like(a: Any) -> Any:
+        val = a.meta.get("val") if isinstance(a, fx.Node) else a
+        if isinstance(val, torch.Tensor):
+            return ("tensor", val.dtype, val.dim(), val.device.type, val.requires_grad)
+        return ("node",) if isinstance(a, fx.Node) else a
+
+    return (node.op, node.target, repr(fx.node.map_aggregate(node.args, like)),
+            repr(fx.node.map_aggregate(node.kwargs, like)), node.meta.get(REGION_KEY))
 
 
 def _tensor_tuple(node: fx.Node) -> bool:

@@ -39,12 +39,12 @@ from ..capture.facts import GRAD_KEY, GRAD_MODE_FUNCTIONS
 from ..capture.guards import is_input_guards
 from ..errors import AmpRewriteError
 from ..graph.fake import fake_run, same_val
-from ..graph.meta import META_KEY, CastInfo, Decision, cast_info, decision
-from ..graph.queries import cast_source
+from ..graph.meta import META_KEY, PIECES_KEY, CastInfo, Decision, cast_info, decision
+from ..graph.queries import cast_source, input_dtypes
 from ..policy.opkey import op_key, overload_key
 from ..policy.policy import Policy
-from ..policy.tables import OpCategory
-from ..runtime.functions import fp32_if_eligible, guarded_cast, guarded_promote
+from ..policy.tables import CPU_TABLE, CUDA_TABLE, OpCategory
+from ..runtime.functions import fp32_if_eligible, guarded_cast, guarded_match, guarded_promote
 from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
 from ..runtime.weight_table import gathered_cast_dtype, is_fetch, read_name
 
@@ -104,13 +104,16 @@ class InsertCastsPass(PassBase):
         inputs = node.all_input_nodes
         missing = node.meta.get("val") is None
         needed = missing or node in self.changed or any(i in self.changed for i in inputs)
+        if not needed and not _traced_dtype_may_differ(node) and \
+                not any(cast_info(i) is not None for i in inputs):
+            return  # its inputs are as traced, and autocast did not decide its dtype
         try:
             new = fake_run(self.gm, node)
         except Exception as exc:
             if not needed:
                 return  # an op fake tensors cannot run (no meta kernel): keep its record
             if not missing:
-                raise
+                raise AmpRewriteError(self._failure(node, exc)) from exc
             raise AmpRewriteError(
                 f"the example inputs do not run through node {node.format_node()}, even with "
                 f"the policy's casts in place: {type(exc).__name__}: {exc}. Check that the "
@@ -119,6 +122,26 @@ class InsertCastsPass(PassBase):
             self.changed.add(node)
         node.meta["val"] = new
 
+    def _failure(self, node: fx.Node, exc: Exception) -> str:
+        """Why ``node`` no longer runs once the policy's casts changed its inputs' dtypes,
+        and how to make it run: one dtype for its inputs, by a rule of the user's."""
+        rec = decision(node)
+        op = op_key(node)
+        how = f"{rec.category.value}, {rec.rule}" if rec is not None else "no decision"
+        if self.policy.preset in ("O2", "O3"):
+            target = f"torch.ops.aten.{op}" if hasattr(torch.ops.aten, op) else op
+            fix = (f"amprewrite.register_op({target}, OpCategory.PROMOTE) before "
+                   "convert casts its floating inputs to one dtype; or convert with "
+                   "opt_level='O1'")
+        else:
+            fix = (f"Policy().override(ops={{{op!r}: OpCategory.PROMOTE}}) casts its floating "
+                   f"inputs to one dtype (or nodes={{{node.name!r}: OpCategory.FP32}} for "
+                   "this node only)")
+        return (f"node {node.format_node()} (op {op}: {how}) does not run on the dtypes the "
+                f"casts of {self.policy.summary()} in {self.dtype} give its inputs "
+                f"({input_dtypes(node)}): "
+                f"{type(exc).__name__}: {_first_line(exc)}. Fix: {fix}.")
+
     # -- per category --------------------------------------------------------------------
     def _rewrite(self, node: fx.Node, rec: Decision) -> bool:
         category = rec.category
@@ -126,6 +149,8 @@ class InsertCastsPass(PassBase):
             return self._cast_all(node, rec, lambda _: rec.compute_dtype)
         if category is OpCategory.PROMOTE:
             return self._promote(node, rec)
+        if category is OpCategory.MATCH_SELF:
+            return self._match_self(node, rec)
         if category is OpCategory.FP32_DTYPE_ARG:
             return self._set_dtype_arg(node, rec)
         if category is OpCategory.FP32_APPEND_DTYPE:
@@ -185,6 +210,39 @@ class InsertCastsPass(PassBase):
         node.args = fx.node.map_arg(node.args, lambda a: items.get(a, a))
         node.kwargs = fx.node.map_arg(node.kwargs, lambda a: items.get(a, a))
         node.meta[META_KEY] = dataclasses.replace(rec, casts=(promoted.name,), guarded=True)
+        return True
+
+    def _match_self(self, node: fx.Node, rec: Decision) -> bool:
+        """Cast the floating sources of a destination-writing op (``masked_scatter``,
+        ``index_put``...) to the destination's dtype, its first input's."""
+        destination = node.args[0] if node.args else None
+        if not isinstance(destination, fx.Node):
+            return False
+        if not self.static:
+            return self._match_guarded(node, rec, destination)
+        val = destination.meta.get("val")
+        if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+            return False  # an integer destination: torch's own rules apply
+        if val.dtype != rec.compute_dtype:
+            node.meta[META_KEY] = rec = dataclasses.replace(rec, compute_dtype=val.dtype)
+        return self._cast_all(node, rec, lambda a: None if a is destination else val.dtype)
+
+    def _match_guarded(self, node: fx.Node, rec: Decision, destination: fx.Node) -> bool:
+        sources = [a for a in node.all_input_nodes if a is not destination
+                   and not _matched(a)]
+        if not sources:
+            return False
+        graph = node.graph
+        matched = {}
+        with graph.inserting_before(node):
+            for a in sources:
+                matched[a] = graph.call_function(guarded_match,
+                                                 (a, destination, self.policy.device_type))
+                matched[a].meta[META_KEY] = CastInfo(self.dtype, guarded=True, weight=False)
+        node.args = fx.node.map_arg(node.args, lambda a: matched.get(a, a))
+        node.kwargs = fx.node.map_arg(node.kwargs, lambda a: matched.get(a, a))
+        node.meta[META_KEY] = dataclasses.replace(
+            rec, casts=tuple(m.name for m in matched.values()), guarded=True)
         return True
 
     def _set_dtype_arg(self, node: fx.Node, rec: Decision) -> bool:
@@ -325,6 +383,29 @@ class InsertCastsPass(PassBase):
             return graph.create_node("get_attr", CACHE_ATTR)
 
 
+_AUTOCAST_LISTED = frozenset(CPU_TABLE) | frozenset(CUDA_TABLE)
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+
+
+def _traced_dtype_may_differ(node: fx.Node) -> bool:
+    """Whether ``node``'s recorded dtype may be autocast's rather than the policy's, its
+    inputs unchanged: an op an autocast table lists, or one whose decomposition may reach
+    such an op (a composite ATen op, unless DecomposeCompositesPass found its pieces
+    unlisted; any call that is not an ATen op: torch-level functions and methods, modules).
+    NB: re-running the other nodes on fake tensors would give their recorded value again;
+    skipping them halves the pass on a convolutional network, whose batch norms,
+    activations and views are most of the graph."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return True
+    if op_key(node) in _AUTOCAST_LISTED:
+        return True
+    pieces = node.meta.get(PIECES_KEY)
+    if pieces is not None:
+        return not pieces.isdisjoint(_AUTOCAST_LISTED)
+    return target.has_kernel_for_dispatch_key(_COMPOSITE)
+
+
 def _stateful(node: fx.Node) -> bool:
     """Calls not to re-run on fake tensors: the grad-mode calls of an inlined ``no_grad``
     region (they would flip the converting process's grad mode), torch.export's input-shape
@@ -334,6 +415,14 @@ def _stateful(node: fx.Node) -> bool:
         return True
     return (node.op == "call_function" and node.target in GRAD_MODE_FUNCTIONS) or \
         is_input_guards(node) or is_fetch(node)
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+
+
+def _matched(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is guarded_match
 
 
 def _promoted_item(node: fx.Node) -> bool:

@@ -35,6 +35,7 @@ from .graph.inputs import record_inputs
 from .graph.meta import META_KEY
 from .graph.queries import module_paths
 from .hardware import model_device, warn_if_slow
+from .passes.attention import fast_path_attention
 from .passes.calibrate import CalibrationInput, check_calibrate, record_ranges
 from .passes.gather_weights import gather_weights
 from .passes.opt_levels import apply_opt_level, check_opt_level, low_precision_twin
@@ -317,6 +318,7 @@ def _rewrite(gm: fx.GraphModule, model: nn.Module, policy: Policy, low: torch.dt
         if calibration:
             record_ranges(gm, calibration, policy)  # read by ClassifyPass (range_rule)
         run_passes(gm, policy, low)
+        fast_path_attention(gm, policy, low)
         gm = gather_weights(gm)
     if pair.main is None:
         pair.main, pair.main_code = gm, code

@@ -48,6 +48,7 @@ from ..errors import AmpRewriteError
 from ..graph.queries import mutated
 from ..graph.subgraphs import inline_body
 from ..versions import check_transformers
+from .attention import ATTENTION_KEY, AttentionCall, AttentionCalls, has_attention
 from .checkpoints import TORCH_DIR, CheckpointSites
 from .custom_functions import custom_functions_in
 from .layerdrop import DecidedDraws
@@ -76,12 +77,12 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
     """
     shapes = dynamic_shapes(args, kwargs) if dynamic else None
     try:
-        ep = _export(model, args, kwargs, shapes, regime, faithful)
+        ep, attention = _export(model, args, kwargs, shapes, regime, faithful)
     except Exception as exc:
         if regime is None:
             raise _capture_error(model, exc) from exc
         try:
-            ep = _export(model, args, kwargs, shapes, None, faithful)
+            ep, attention = _export(model, args, kwargs, shapes, None, faithful)
         except Exception:
             raise _capture_error(model, exc) from exc
         warnings.warn(
@@ -95,6 +96,7 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
     gm.meta[TRACED_IN_FP32] = regime is None
     # NB: not ep.constants, which holds the model's non-persistent buffers too
     gm.meta[LIFTED_CONSTANTS] = frozenset(ep.graph_signature.lifted_tensor_constants)
+    gm.meta[ATTENTION_KEY] = attention
     fast_input_guards(gm)
     _inline_regions(gm)
     _drop_dtype_assertions(gm)
@@ -107,13 +109,19 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, shapes: Any,
-            regime: Regime | None, faithful: bool) -> torch.export.ExportedProgram:
+            regime: Regime | None, faithful: bool
+            ) -> tuple[torch.export.ExportedProgram, tuple[AttentionCall, ...]]:
+    """The exported program, and the attention calls eager may run fused
+    (:mod:`.attention`)."""
     _register_hf_caches(model)
     args, kwargs = _fresh_aliases((args, kwargs or {}))
     checkpoints = CheckpointSites()
+    attention = AttentionCalls(model) if has_attention(model) else None
     with contextlib.ExitStack() as stack:
         stack.enter_context(DecidedDraws())
         stack.enter_context(checkpoints)
+        if attention is not None:
+            stack.enter_context(attention)
         if faithful:
             stack.enter_context(_FaithfulConversions())
         if regime is not None:
@@ -139,7 +147,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, shapes
             "them can differ from the model's (outputs do not). To keep them whole, convert "
             "with amprewrite.compile(model), whose capture keeps a Function's backward.",
             stacklevel=_user_stacklevel())
-    return ep
+    return ep, attention.recorded() if attention is not None else ()
 
 
 _OWN_DIRS = (__file__.rsplit("/", 2)[0] + "/", TORCH_DIR)

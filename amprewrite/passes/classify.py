@@ -31,6 +31,7 @@ from ..policy.kernels import has_low_kernel
 from ..policy.opkey import is_inplace, op_key, overload_key
 from ..policy.policy import Policy
 from ..policy.tables import SAME_DTYPE_OPS, OpCategory
+from ..runtime.attention import multi_head_attention
 from ..runtime.weight_table import is_fetch
 from .calibrate import range_rule
 
@@ -50,10 +51,11 @@ def _cast_item(node: fx.Node) -> bool:
 
 
 def _is_export_guard(node: fx.Node) -> bool:
-    """torch.export's input-shape check (``self._guards_fn(x)``) and the grad-mode calls of an
-    inlined ``no_grad`` region: not ops of the model, never cast."""
-    return is_input_guards(node) or \
-        (node.op == "call_function" and node.target in GRAD_MODE_FUNCTIONS)
+    """torch.export's input-shape check (``self._guards_fn(x)``), the grad-mode calls of an
+    inlined ``no_grad`` region and a fused attention call (decided when it was made, its ops
+    in a sub-graph: :mod:`.attention`): not ops of the model to classify, never cast."""
+    return is_input_guards(node) or (node.op == "call_function" and (
+        node.target in GRAD_MODE_FUNCTIONS or node.target is multi_head_attention))
 
 
 def _device_type(node: fx.Node) -> str | None:

@@ -44,6 +44,7 @@ from ..graph.queries import cast_source, input_dtypes
 from ..policy.opkey import op_key, overload_key
 from ..policy.policy import Policy
 from ..policy.tables import CPU_TABLE, CUDA_TABLE, OpCategory
+from ..runtime.attention import multi_head_attention
 from ..runtime.functions import fp32_if_eligible, guarded_cast, guarded_match, guarded_promote
 from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
 from ..runtime.weight_table import gathered_cast_dtype, is_fetch, read_name
@@ -96,10 +97,11 @@ class InsertCastsPass(PassBase):
     def _repropagate(self, node: fx.Node) -> None:
         """Recompute ``node``'s ``meta["val"]`` from its inputs' (now final) values.
 
-        Every node is recomputed, not only those downstream of a new cast: an export traced
-        in the AMP regime (:mod:`amprewrite.capture.export`) records the dtypes *autocast*
-        gives each op, and the policy may differ from autocast's lists (the default policy's
-        CUDA rules on a CPU model), so a recorded dtype is only a first guess.
+        Not only nodes downstream of a new cast are recomputed: an export traced in the AMP
+        regime (:mod:`amprewrite.capture.export`) records the dtypes *autocast* gives each
+        op, and the policy may differ from autocast's lists (the default policy's CUDA rules
+        on a CPU model), so a recorded dtype is only a first guess wherever autocast decided
+        it (:func:`_traced_dtype_may_differ`).
         """
         inputs = node.all_input_nodes
         missing = node.meta.get("val") is None
@@ -403,17 +405,22 @@ def _traced_dtype_may_differ(node: fx.Node) -> bool:
     pieces = node.meta.get(PIECES_KEY)
     if pieces is not None:
         return not pieces.isdisjoint(_AUTOCAST_LISTED)
-    return target.has_kernel_for_dispatch_key(_COMPOSITE)
+    try:
+        return target.has_kernel_for_dispatch_key(_COMPOSITE)
+    except RuntimeError:  # a TorchScript-only overload (aten::size.default): not dispatchable
+        return True
 
 
 def _stateful(node: fx.Node) -> bool:
     """Calls not to re-run on fake tensors: the grad-mode calls of an inlined ``no_grad``
     region (they would flip the converting process's grad mode), torch.export's input-shape
-    guard, and the gathered weight reads (their values are the weights', recorded already)."""
+    guard, the gathered weight reads (their values are the weights', recorded already) and
+    a fused attention call (its sub-graph's ops were converted before it was made)."""
     if node.op == "call_function" and node.target is operator.getitem and \
             isinstance(node.args[0], fx.Node) and is_fetch(node.args[0]):
         return True
-    return (node.op == "call_function" and node.target in GRAD_MODE_FUNCTIONS) or \
+    return (node.op == "call_function" and (node.target in GRAD_MODE_FUNCTIONS
+                                            or node.target is multi_head_attention)) or \
         is_input_guards(node) or is_fetch(node)
 
 

@@ -113,8 +113,9 @@ class _IdsAndFeatures(torch.nn.Module):
 
 
 def _dtype_check_line(number: int, repeat: int) -> str:
-    """The floating-vs-integer check's cost: the input check and a whole forward, each with
-    the check and without it (the same module, its per-argument kinds emptied), interleaved."""
+    """The floating-vs-integer check's cost: the input check (``forward`` of the module that
+    runs it) and a whole no-grad forward, each with the check and without it (the same
+    module, its per-argument kinds emptied), interleaved, the order alternating."""
     ids, x = torch.randint(0, 10, (2, 3)), torch.randn(2, 3, 8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -122,21 +123,21 @@ def _dtype_check_line(number: int, repeat: int) -> str:
     guards, kinds = gm._guards_fn, gm._guards_fn._floating
     env = {"gm": gm, "guards": guards, "ids": ids, "x": x, "torch": torch}
     best: dict[tuple[str, bool], float] = {}
-    for _ in range(repeat):
-        for stmt in ("guards(ids, x)", "gm(ids, x)"):
-            for checked in (False, True):
+    for i in range(2 * repeat):
+        for stmt, calls in (("guards.forward(ids, x)", 10 * number), ("gm(ids, x)", number)):
+            for checked in ((False, True) if i % 2 else (True, False)):
                 guards._floating = kinds if checked else ()
                 with torch.no_grad():
-                    us = _us(stmt, env, number, 1)
+                    us = _us(stmt, env, calls, 1)
                 best[stmt, checked] = min(best.get((stmt, checked), us), us)
     guards._floating = kinds
-    alone = best["guards(ids, x)", True] - best["guards(ids, x)", False]
-    whole = best["gm(ids, x)", True] - best["gm(ids, x)", False]
+    check = {c: best["guards.forward(ids, x)", c] for c in (False, True)}
+    forward = {c: best["gm(ids, x)", c] for c in (False, True)}
     return (f"Floating-vs-integer input check (2 tensor arguments): input check "
-            f"{best['guards(ids, x)', False]:.2f} -> {best['guards(ids, x)', True]:.2f} µs "
-            f"({alone:+.2f}); whole no-grad forward {best['gm(ids, x)', False]:.1f} -> "
-            f"{best['gm(ids, x)', True]:.1f} µs ({whole:+.2f}, "
-            f"{whole / best['gm(ids, x)', False]:+.1%})")
+            f"{check[False]:.2f} -> {check[True]:.2f} µs ({check[True] - check[False]:+.2f}); "
+            f"whole no-grad forward {forward[False]:.1f} -> {forward[True]:.1f} µs "
+            f"({forward[True] - forward[False]:+.2f}, "
+            f"{(forward[True] - forward[False]) / forward[False]:+.1%})")
 
 
 def main(argv: list[str] | None = None) -> None:

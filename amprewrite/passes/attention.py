@@ -75,8 +75,9 @@ def _fuse(gm: fx.GraphModule, call: AttentionCall, low: torch.dtype) -> bool:
     weights = [_weight(inputs, f"{call.path}.{name}") for name in _WEIGHTS]
     activations = [a for a in inputs if isinstance(a.meta.get("val"), torch.Tensor)
                    and a.op != "get_attr" and cast_info(a) is None]
-    if any(w is None for w in weights) or len(activations) != 1:
-        return False
+    if any(w is None for w in weights) or len(activations) != 1 or \
+            activations[0].meta["val"].device.type != "cpu":
+        return False  # (CPU autocast leaves another device's tensors as they are)
     query = activations[0]
     name = _free_name(gm, "_amp_attention_" + call.path.replace(".", "_"))
     gm.add_submodule(name, _subgraph(region, inputs, outputs[0]).train(gm.training))

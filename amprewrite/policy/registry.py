@@ -25,8 +25,9 @@ _ALLOWED = (OpCategory.LOWER, OpCategory.FP32, OpCategory.PROMOTE, OpCategory.PA
 def register_op(fn: Callable, category: OpCategory) -> Callable:
     """Classify a user function or ``torch.library`` custom op for every policy.
 
-    ``category`` is one of LOWER, FP32, PROMOTE, PASSTHROUGH or MATCH_SELF. Returns ``fn`` so it can be
-    used as a decorator factory's target. Policy op overrides still win over registrations.
+    ``category`` is one of LOWER, FP32, PROMOTE, PASSTHROUGH or MATCH_SELF. Returns ``fn``
+    so it can be used as a decorator factory's target. Policy op overrides still win over
+    registrations.
     """
 
     if category not in _ALLOWED:

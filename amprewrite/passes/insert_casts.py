@@ -39,15 +39,16 @@ from ..capture.facts import GRAD_KEY, GRAD_MODE_FUNCTIONS
 from ..capture.guards import is_input_guards
 from ..errors import AmpRewriteError
 from ..graph.fake import fake_run, same_val
-from ..graph.meta import META_KEY, PIECES_KEY, CastInfo, Decision, cast_info, decision
-from ..graph.queries import cast_source, input_dtypes
+from ..graph.meta import META_KEY, CastInfo, Decision, cast_info, decision
+from ..graph.queries import cast_source
 from ..policy.opkey import op_key, overload_key
 from ..policy.policy import Policy
-from ..policy.tables import CPU_TABLE, CUDA_TABLE, OpCategory
+from ..policy.tables import OpCategory
 from ..runtime.attention import multi_head_attention
 from ..runtime.functions import fp32_if_eligible, guarded_cast, guarded_match, guarded_promote
 from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
 from ..runtime.weight_table import gathered_cast_dtype, is_fetch, read_name
+from .propagation import run_failure, traced_dtype_may_differ
 
 __all__ = ["InsertCastsPass"]
 
@@ -101,12 +102,12 @@ class InsertCastsPass(PassBase):
         regime (:mod:`amprewrite.capture.export`) records the dtypes *autocast* gives each
         op, and the policy may differ from autocast's lists (the default policy's CUDA rules
         on a CPU model), so a recorded dtype is only a first guess wherever autocast decided
-        it (:func:`_traced_dtype_may_differ`).
+        it (:func:`.propagation.traced_dtype_may_differ`).
         """
         inputs = node.all_input_nodes
         missing = node.meta.get("val") is None
         needed = missing or node in self.changed or any(i in self.changed for i in inputs)
-        if not needed and not _traced_dtype_may_differ(node) and \
+        if not needed and not traced_dtype_may_differ(node) and \
                 not any(cast_info(i) is not None for i in inputs):
             return  # its inputs are as traced, and autocast did not decide its dtype
         try:
@@ -115,7 +116,8 @@ class InsertCastsPass(PassBase):
             if not needed:
                 return  # an op fake tensors cannot run (no meta kernel): keep its record
             if not missing:
-                raise AmpRewriteError(self._failure(node, exc)) from exc
+                raise AmpRewriteError(
+                    run_failure(node, exc, self.policy, self.dtype)) from exc
             raise AmpRewriteError(
                 f"the example inputs do not run through node {node.format_node()}, even with "
                 f"the policy's casts in place: {type(exc).__name__}: {exc}. Check that the "
@@ -123,26 +125,6 @@ class InsertCastsPass(PassBase):
         if not same_val(new, node.meta.get("val")):
             self.changed.add(node)
         node.meta["val"] = new
-
-    def _failure(self, node: fx.Node, exc: Exception) -> str:
-        """Why ``node`` no longer runs once the policy's casts changed its inputs' dtypes,
-        and how to make it run: one dtype for its inputs, by a rule of the user's."""
-        rec = decision(node)
-        op = op_key(node)
-        how = f"{rec.category.value}, {rec.rule}" if rec is not None else "no decision"
-        if self.policy.preset in ("O2", "O3"):
-            target = f"torch.ops.aten.{op}" if hasattr(torch.ops.aten, op) else op
-            fix = (f"amprewrite.register_op({target}, OpCategory.PROMOTE) before "
-                   "convert casts its floating inputs to one dtype; or convert with "
-                   "opt_level='O1'")
-        else:
-            fix = (f"Policy().override(ops={{{op!r}: OpCategory.PROMOTE}}) casts its floating "
-                   f"inputs to one dtype (or nodes={{{node.name!r}: OpCategory.FP32}} for "
-                   "this node only)")
-        return (f"node {node.format_node()} (op {op}: {how}) does not run on the dtypes the "
-                f"casts of {self.policy.summary()} in {self.dtype} give its inputs "
-                f"({input_dtypes(node)}): "
-                f"{type(exc).__name__}: {_first_line(exc)}. Fix: {fix}.")
 
     # -- per category --------------------------------------------------------------------
     def _rewrite(self, node: fx.Node, rec: Decision) -> bool:
@@ -385,32 +367,6 @@ class InsertCastsPass(PassBase):
             return graph.create_node("get_attr", CACHE_ATTR)
 
 
-_AUTOCAST_LISTED = frozenset(CPU_TABLE) | frozenset(CUDA_TABLE)
-_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
-
-
-def _traced_dtype_may_differ(node: fx.Node) -> bool:
-    """Whether ``node``'s recorded dtype may be autocast's rather than the policy's, its
-    inputs unchanged: an op an autocast table lists, or one whose decomposition may reach
-    such an op (a composite ATen op, unless DecomposeCompositesPass found its pieces
-    unlisted; any call that is not an ATen op: torch-level functions and methods, modules).
-    NB: re-running the other nodes on fake tensors would give their recorded value again;
-    skipping them halves the pass on a convolutional network, whose batch norms,
-    activations and views are most of the graph."""
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
-        return True
-    if op_key(node) in _AUTOCAST_LISTED:
-        return True
-    pieces = node.meta.get(PIECES_KEY)
-    if pieces is not None:
-        return not pieces.isdisjoint(_AUTOCAST_LISTED)
-    try:
-        return target.has_kernel_for_dispatch_key(_COMPOSITE)
-    except RuntimeError:  # a TorchScript-only overload (aten::size.default): not dispatchable
-        return True
-
-
 def _stateful(node: fx.Node) -> bool:
     """Calls not to re-run on fake tensors: the grad-mode calls of an inlined ``no_grad``
     region (they would flip the converting process's grad mode), torch.export's input-shape
@@ -422,10 +378,6 @@ def _stateful(node: fx.Node) -> bool:
     return (node.op == "call_function" and (node.target in GRAD_MODE_FUNCTIONS
                                             or node.target is multi_head_attention)) or \
         is_input_guards(node) or is_fetch(node)
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
 
 
 def _matched(node: fx.Node) -> bool:

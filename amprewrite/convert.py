@@ -12,8 +12,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .capture.converted import CONVERTED_KEY, MODEL_KEY, capture_converted, is_converted
+from .capture.export import Regime, capture_export, dynamic_shapes
 from .capture.first_call import placeholder_module
-from .capture.export import Regime, capture_export
 from .capture.modes import (
     MODE_KEY,
     MODES_ATTR,
@@ -28,6 +28,7 @@ from .capture.modes import (
     share_root_state,
     share_state,
 )
+from .capture.logs import quiet_capture_logs
 from .capture.persistence import match_persistence
 from .capture.reads import Reads, note_leaf_modules, recording_reads, restore_classes
 from .capture.state import preserved_global_state
@@ -39,6 +40,7 @@ from .graph.inputs import record_inputs
 from .graph.meta import META_KEY
 from .graph.queries import module_paths
 from .hardware import model_device, warn_if_slow
+from .passes.attention import fast_path_attention
 from .passes.calibrate import CalibrationInput, check_calibrate, record_ranges
 from .passes.gather_weights import gather_weights
 from .passes.opt_levels import (
@@ -166,7 +168,7 @@ def convert(
                            opt_level, calibration, from_calls=first_call)
     if first_call:
         return _placeholder(model, policy, low, opt_level, recapture, on_change)
-    with preserved_global_state():
+    with preserved_global_state(), quiet_capture_logs():
         gm = _capture_and_rewrite(model, example_inputs, example_kwargs, policy, low, capture,
                                   opt_level, calibration)
         if opt_level != "O3":  # O3 runs on its own copy of the model: nothing is shared
@@ -210,7 +212,7 @@ class _Recapture:
                  ) -> fx.GraphModule:
         call_args, call_kwargs = (args, kwargs or None) if self.has_inputs else (None, None)
         model = self.model
-        with preserved_global_state(), in_mode(model, gm.training):
+        with preserved_global_state(), quiet_capture_logs(), in_mode(model, gm.training):
             core = _capture_and_rewrite(model, call_args, call_kwargs, self.policy, self.low,
                                         self.capture_path, self.opt_level, self.calibration,
                                         root=gm)
@@ -296,7 +298,7 @@ class _OtherMode(PendingMode):
         if pair is None:
             pair = _ModePair()
             pair.main, pair.main_code = main, self.main_code
-        with preserved_global_state():
+        with preserved_global_state(), quiet_capture_logs():
             other = self._capture(main, training, pair)
         if other is None:
             return None
@@ -359,10 +361,14 @@ def _export_and_rewrite(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
                         policy: Policy, low: torch.dtype, opt_level: str,
                         calibration: list[CalibrationInput] | None,
                         pair: _ModePair) -> fx.GraphModule | None:
-    """Export with dynamic dimensions and rewrite; if either fails under symbolic sizes
-    (some ATen meta kernels reject them), export again with the example's static shapes."""
+    """Export with dynamic dimensions (:func:`~.capture.export.dynamic_dims`) and rewrite;
+    if either fails under symbolic sizes (some ATen meta kernels reject them), export again
+    with the example's static shapes."""
     regime = _regime(model, args, kwargs, policy, low, opt_level)
     faithful = opt_level != "O0"
+    if dynamic_shapes(model, args, kwargs) is None:  # nothing dynamic: one static export
+        gm = _recorded_export(model, args, kwargs, regime, False, faithful)
+        return _rewrite(gm, model, policy, low, opt_level, calibration, pair)
     try:
         gm = _recorded_export(model, args, kwargs, regime, True, faithful)
     except AmpRewriteError as exc:
@@ -434,6 +440,7 @@ def _rewrite(gm: fx.GraphModule, model: nn.Module, policy: Policy, low: torch.dt
         if calibration:
             record_ranges(gm, calibration, policy)  # read by ClassifyPass (range_rule)
         run_passes(gm, policy, low)
+        fast_path_attention(gm, policy, low)
         gm = gather_weights(gm)
     if state is not None:
         gm.meta[STATE_KEY] = state

@@ -12,6 +12,9 @@ torch thread:
   positional tensor argument to itself, against binding it directly (no code);
 * torch.export's input-shape check (``self._guards_fn(x)``) as torch.export leaves it,
   wrapped in a Dynamo config patch, against the converted module's direct call;
+* that check with and without the converted module's floating-vs-integer check of each
+  tensor argument, alone and in a whole forward (an embedding and a linear, token ids and
+  features);
 * the weight read that starts a converted forward of the launch-bound model (200 tensors,
   100 of them handed over as cached bf16 copies in inference, or as O2's stored copies), in
   inference and grad mode;
@@ -101,6 +104,43 @@ def _guard_rows(x: torch.Tensor, env: dict[str, Any]) -> list[tuple[str, str, st
             ("argument binding", "y, = fx_pytree.tree_flatten_spec(([x], {}), spec)", "y = x")]
 
 
+class _IdsAndFeatures(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.fc = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids) + self.fc(x)
+
+
+def _dtype_check_line(number: int, repeat: int) -> str:
+    """The floating-vs-integer check's cost: the input check (``forward`` of the module that
+    runs it) and a whole no-grad forward, each with the check and without it (the same
+    module, its per-argument kinds emptied), interleaved, the order alternating."""
+    ids, x = torch.randint(0, 10, (2, 3)), torch.randn(2, 3, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = amprewrite.convert(_IdsAndFeatures(), (ids, x))
+    guards, kinds = gm._guards_fn, gm._guards_fn._floating
+    env = {"gm": gm, "guards": guards, "ids": ids, "x": x, "torch": torch}
+    best: dict[tuple[str, bool], float] = {}
+    for i in range(2 * repeat):
+        for stmt, calls in (("guards.forward(ids, x)", 10 * number), ("gm(ids, x)", number)):
+            for checked in ((False, True) if i % 2 else (True, False)):
+                guards._floating = kinds if checked else ()
+                with torch.no_grad():
+                    us = _us(stmt, env, calls, 1)
+                best[stmt, checked] = min(best.get((stmt, checked), us), us)
+    guards._floating = kinds
+    check = {c: best["guards.forward(ids, x)", c] for c in (False, True)}
+    forward = {c: best["gm(ids, x)", c] for c in (False, True)}
+    return (f"Floating-vs-integer input check (2 tensor arguments): input check "
+            f"{check[False]:.2f} -> {check[True]:.2f} µs ({check[True] - check[False]:+.2f}); "
+            f"whole no-grad forward {forward[False]:.1f} -> {forward[True]:.1f} µs "
+            f"({forward[True] - forward[False]:+.2f}, "
+            f"{(forward[True] - forward[False]) / forward[False]:+.1%})")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--number", type=int, default=2000)
@@ -126,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {what} | `{slow}` | {_us(slow, env, args.number, args.repeat):.2f} | "
               f"`{fast}` | {_us(fast, env, args.number, args.repeat):.2f} |")
     print()
+    print(_dtype_check_line(args.number, args.repeat))
     converted = {level: _converted(level) for level in ("O1", "O2")}
     for opt_level, (gm, _) in converted.items():
         fetch, read = _fetch_env(gm), "table.fetch(*entries, **kwargs)"

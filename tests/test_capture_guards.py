@@ -100,3 +100,50 @@ def test_an_unknown_guard_module_is_left_alone() -> None:
     gm._guards_fn = other
     fast_input_guards(gm)
     assert gm._guards_fn is other
+
+
+class Ids(nn.Module):
+    """Token ids and features: an integer and a floating input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.fc = nn.Embedding(10, 8), nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids) + self.fc(x)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_an_integer_tensor_where_a_float_was_captured_raises(opt_level: str) -> None:
+    """The model itself raises for int64 features (its linear meets an fp32 weight); the
+    converted module must not cast them to bf16 and return a result. Another floating dtype
+    is fine, and so is another integer dtype."""
+    model = Ids()
+    ids, x = torch.randint(0, 10, (2, 3)), torch.randn(2, 3, 8)
+    gm = amprewrite.convert(model, (ids, x), opt_level=opt_level)
+    assert gm._guards_fn._floating == (False, True)
+    with pytest.raises(RuntimeError, match="mat1 and mat2 must have the same dtype"):
+        model(ids, x.long())
+    with torch.no_grad():
+        with pytest.raises(amprewrite.AmpRewriteError,
+                           match=r"x: captured for float32 of shape \(any, any, 8\), called "
+                                 r"with int64 of shape \(2, 3, 8\)") as info:
+            gm(ids, x.long())
+        assert "argument 1 of the converted module's forward is a torch.int64 tensor" in \
+            str(info.value.__cause__)
+        with pytest.raises(amprewrite.AmpRewriteError,
+                           match=r"ids: captured for int64 .* called with float32"):
+            gm(ids.float(), x)
+        assert gm(ids.int(), x.double()).dtype == gm(ids, x).dtype
+
+
+def test_the_dtype_kinds_survive_copies_and_pickles() -> None:
+    import pickle
+
+    gm = amprewrite.convert(Ids(), (torch.randint(0, 10, (2, 3)), torch.randn(2, 3, 8)))
+    for clone in (copy.deepcopy(gm), pickle.loads(pickle.dumps(gm))):
+        guards = clone._guards_fn
+        assert isinstance(guards, InputGuards) and guards._floating == (False, True)
+        with pytest.raises(amprewrite.AmpRewriteError, match="torch.int64 tensor"):
+            guards(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, 8, dtype=torch.long))

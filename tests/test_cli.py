@@ -78,7 +78,9 @@ def test_demo(tmp_path: Path) -> None:
     assert re.search(r"ops: 10 bf16, \d+ fp32, \d+ passthrough", first_screen)
     assert re.search(r"cast kernels in one forward: \d+, torch.autocast's on the same "
                      r"input: \d+", first_screen)
-    assert re.search(r"vs torch.autocast, same input: forward [\d.]+ ms vs [\d.]+ ms", first_screen)
+    assert re.search(r"vs torch.autocast, same input: forward [\d.]+ ms vs [\d.]+ ms \(best of "
+                     r"\d+ interleaved rounds\): [\d.]+x(, as fast as torch.autocast| "
+                     r"torch.autocast's speed, (faster|slower));", first_screen)
     assert re.search(r"max \|logits - fp32 logits\|: [\d.e-]+ \(torch.autocast", first_screen)
     # the mask's finfo.min is masking; the backward pow of the RMSNorm is the real risk
     assert "masking, not overflow: " in out
@@ -101,6 +103,18 @@ def test_demo(tmp_path: Path) -> None:
     assert re.search(r"\d+ op nodes: 10 bf16, \d+ f32, \d+ passthrough; casts: \d+ inserted", out)
     assert "amprewrite audit:" in out and "backward" in out
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("speed, words", [
+    (2.5, "2.50x torch.autocast's speed, faster"), (0.74, "0.74x torch.autocast's speed, slower"),
+    (1.02, "1.02x, as fast as torch.autocast"), (0.98, "0.98x, as fast as torch.autocast")])
+def test_the_speed_is_said_in_words_above_1_faster(speed: float, words: str) -> None:
+    """The direction of the README's tables: autocast's time over the converted one's."""
+    from amprewrite.cli.measure import _forward_ms, speed_words
+
+    assert speed_words(speed) == words
+    best, rounds = _forward_ms({"converted": lambda: None, "autocast": lambda: None})
+    assert rounds >= 20 and set(best) == {"converted", "autocast"}
 
 
 def test_explain_and_audit_a_factory(project: Path) -> None:

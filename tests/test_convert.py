@@ -384,3 +384,66 @@ def test_dynamic_shapes_fall_back_to_static_with_a_warning(monkeypatch) -> None:
     assert torch.equal(gm(x), amprewrite.convert(model, (x,), capture="symbolic")(x))
     placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
     assert all(isinstance(s, int) for s in placeholder.meta["val"].shape)
+
+
+class _Pixels(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.fc = nn.Conv2d(3, 4, 3, stride=2), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv(x).mean((2, 3)))
+
+
+class _Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.fc = nn.Embedding(10, 4), nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.embed(ids) + features)
+
+
+def test_images_keep_their_sizes_and_sequences_stay_dynamic() -> None:
+    """A floating input of 4 or more dimensions (images, video) is captured with its sizes,
+    batch included (symbolic image sizes cost export 2 to 5 times its static time); token
+    ids and (batch, length, features) tensors keep dynamic dimensions."""
+    from amprewrite.capture.export import dynamic_dims
+
+    pixels = torch.randn(2, 3, 9, 9)
+    assert list(dynamic_dims(pixels)) == [] and list(dynamic_dims(pixels.long())) == [0, 1, 2, 3]
+    gm = amprewrite.convert(_Pixels(), (pixels,))
+    placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    assert tuple(placeholder.meta["val"].shape) == (2, 3, 9, 9)
+    with pytest.raises(AmpRewriteError, match=r"x: captured for float32 of shape \(2, 3, 9, 9\), "
+                                              r"called with float32 of shape \(1, 3, 9, 9\)"):
+        gm(pixels[:1])
+
+    ids, features = torch.randint(0, 10, (2, 5)), torch.randn(2, 5, 4)
+    gm = amprewrite.convert(_Tokens(), (ids, features))
+    longer = torch.randint(0, 10, (3, 7)), torch.randn(3, 7, 4)
+    with torch.autocast("cpu", torch.bfloat16):
+        want = _Tokens()(*longer)
+    assert torch.equal(gm(*longer), want)
+
+
+def test_torch_export_never_sees_the_users_tensors(monkeypatch) -> None:
+    """torch.export marks the tensors it traces with dynamic dimensions, and a failed export
+    leaves the marks: the capture hands it new tensor objects on the same memory (one per
+    tensor), so the user's tensors stay unmarked and a static export after a failed
+    dynamic one is static."""
+    seen: list[torch.Tensor] = []
+    real = torch.export.export
+
+    def spy(model, args, kwargs=None, **options):
+        seen.extend(args)
+        return real(model, args, kwargs, **options)
+
+    monkeypatch.setattr(torch.export, "export", spy)
+    ids, features = torch.randint(0, 10, (2, 5)), torch.randn(2, 5, 4, requires_grad=True)
+    amprewrite.convert(_Tokens(), (ids, features))
+    assert len(seen) == 2 and seen[0] is not ids and seen[1] is not features
+    assert seen[0].data_ptr() == ids.data_ptr() and seen[1].data_ptr() == features.data_ptr()
+    assert seen[1].requires_grad and seen[1].is_leaf and vars(features) == {}

@@ -249,6 +249,21 @@ def test_unlisted_composite_is_split_only_where_autocast_splits_it(path: str) ->
     assert cuda(*inputs).dtype == cpu(*inputs).dtype == torch.bfloat16
 
 
+def test_a_split_composite_keeps_dynamic_sizes_symbolic() -> None:
+    """The split of a composite reads its sizes off its inputs (``sym_size``), not the
+    example's: the converted module stays right at other sizes, bitwise with autocast."""
+    torch.manual_seed(0)
+    model = _Einsum()
+    gm = amprewrite.convert(model, (torch.randn(2, 3, 4),),
+                            policy=amprewrite.Policy.autocast("cpu", torch.bfloat16))
+    assert any("bmm" in str(n.target) for n in gm.graph.nodes)
+    for rows in (3, 7, 1):
+        x = torch.randn(2, rows, 4)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = model(x)
+        assert torch.equal(gm(x), want), rows
+
+
 def test_composite_that_cannot_be_split_warns() -> None:
     model = nn.LSTM(8, 8, batch_first=True)
     with pytest.warns(UserWarning, match="could not be split"):

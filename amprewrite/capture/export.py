@@ -49,13 +49,14 @@ from ..errors import AmpRewriteError
 from ..graph.queries import mutated
 from ..graph.subgraphs import inline_body
 from ..versions import check_transformers
+from .attention import ATTENTION_KEY, AttentionCall, AttentionCalls, has_attention
 from .checkpoints import TORCH_DIR, CheckpointSites
 from .custom_functions import custom_functions_in
 from .layerdrop import DecidedDraws
 from .facts import GRAD_KEY, LIFTED_CONSTANTS, REGION_KEY, TRACED_IN_FP32, Region
 from .guards import fast_input_guards
 
-__all__ = ["capture_export", "Regime", "autocast_regime"]
+__all__ = ["capture_export", "dynamic_dims", "dynamic_shapes", "Regime", "autocast_regime"]
 
 Regime = tuple[str, torch.dtype]
 """``(device_type, low dtype)`` of the ``torch.autocast`` a model is traced under."""
@@ -75,14 +76,14 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
         faithful: record dtype conversions and device moves as eager runs them (see
             :class:`_FaithfulConversions`); off for O0, which keeps the graph as exported.
     """
-    shapes = _auto_dynamic_shapes(model, args, kwargs) if dynamic else None
+    shapes = dynamic_shapes(model, args, kwargs) if dynamic else None
     try:
-        ep = _export(model, args, kwargs, shapes, regime, faithful)
+        ep, attention = _export(model, args, kwargs, shapes, regime, faithful)
     except Exception as exc:
         if regime is None:
             raise _capture_error(model, exc) from exc
         try:
-            ep = _export(model, args, kwargs, shapes, None, faithful)
+            ep, attention = _export(model, args, kwargs, shapes, None, faithful)
         except Exception:
             raise _capture_error(model, exc) from exc
         warnings.warn(
@@ -96,6 +97,7 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
     gm.meta[TRACED_IN_FP32] = regime is None
     # NB: not ep.constants, which holds the model's non-persistent buffers too
     gm.meta[LIFTED_CONSTANTS] = frozenset(ep.graph_signature.lifted_tensor_constants)
+    gm.meta[ATTENTION_KEY] = attention
     fast_input_guards(gm)
     _inline_regions(gm)
     _drop_dtype_assertions(gm)
@@ -127,12 +129,19 @@ def autocast_regime(device_type: str, dtype: torch.dtype) -> Iterator[None]:
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, shapes: Any,
-            regime: Regime | None, faithful: bool) -> torch.export.ExportedProgram:
+            regime: Regime | None, faithful: bool
+            ) -> tuple[torch.export.ExportedProgram, tuple[AttentionCall, ...]]:
+    """The exported program, and the attention calls eager may run fused
+    (:mod:`.attention`)."""
     _register_hf_caches(model)
+    args, kwargs = _fresh_aliases((args, kwargs or {}))
     checkpoints = CheckpointSites()
+    attention = AttentionCalls(model) if has_attention(model) else None
     with contextlib.ExitStack() as stack:
         stack.enter_context(DecidedDraws())
         stack.enter_context(checkpoints)
+        if attention is not None:
+            stack.enter_context(attention)
         if faithful:
             stack.enter_context(_FaithfulConversions())
         if regime is not None:
@@ -158,10 +167,30 @@ def _export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, shapes
             "them can differ from the model's (outputs do not). To keep them whole, convert "
             "with amprewrite.compile(model), whose capture keeps a Function's backward.",
             stacklevel=_user_stacklevel())
-    return ep
+    return ep, attention.recorded() if attention is not None else ()
 
 
 _OWN_DIRS = (__file__.rsplit("/", 2)[0] + "/", TORCH_DIR)
+
+
+def _fresh_aliases(inputs: Any) -> Any:
+    """``inputs`` with every tensor replaced by a new tensor object on the same memory (one per
+    tensor: an input passed twice stays one).
+
+    NB: torch.export marks the tensors it traces with dynamic dimensions
+    (``_dynamo_weak_dynamic_indices``), and a failed export leaves the marks on them: the
+    user's tensors would carry them into their own ``torch.compile`` calls, and the static
+    export that follows a failed dynamic one would trace dynamic dimensions again (slowly,
+    and failing the same way)."""
+    made: dict[int, torch.Tensor] = {}
+
+    def alias(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            fresh = t.detach()
+            made[id(t)] = fresh.requires_grad_() if t.requires_grad else fresh
+        return made[id(t)]
+
+    return torch.utils._pytree.tree_map_only(torch.Tensor, alias, inputs)
 
 
 def _user_stacklevel() -> int:
@@ -208,18 +237,37 @@ def _capture_error(model: nn.Module, exc: BaseException) -> AmpRewriteError:
         "amprewrite.compile(model) (a torch.compile backend) instead.")
 
 
-def _auto_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None) -> Any:
-    """Every dimension of every positional tensor input left to torch.export (``Dim.AUTO``),
-    keyed by the forward's parameter names, so that a ``*args`` forward (a PEFT model's) takes
-    them too. None (static shapes) with keyword inputs: torch.export's input check of a
-    ``**kwargs`` forward can name inputs by paths its own check function does not define
-    (``NameError: name 'L'`` at the first call, torch 2.14), and where the inputs do not bind
-    to the signature."""
+def dynamic_dims(x: torch.Tensor) -> range:
+    """The dimensions of an example input that the capture makes dynamic where the model lets
+    them vary: every one (batch, sequence, features) of an integer tensor and of a floating
+    one of up to 3 dimensions; none of a floating tensor of 4 or more (images, video,
+    volumes), whose capture keeps the example's sizes, batch included.
+
+    NB: symbolic sizes of an image cost more than they give. torch.export then reasons about
+    every size expression the model computes from them (strided convolutions and pooling,
+    padding, window partitions, an LSTM over rows), which takes 2 to 5 times as long as a
+    static export even with the batch alone dynamic (torch 2.14: 2.6x for a segmentation
+    MobileNet, 4.5x for Sequencer2d), and the passes after it run on symbolic sizes too. A
+    vision model runs at the resolution it was built for; a call with another batch size
+    raises, naming the argument (convert for that size, or use ``amprewrite.compile``)."""
+    return range(x.dim() if x.dim() <= 3 or not x.is_floating_point() else 0)
+
+
+def dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None) -> Any:
+    """torch.export's ``dynamic_shapes`` for the example inputs (:func:`dynamic_dims`), keyed
+    by the forward's parameter names, so that a ``*args`` forward (a PEFT model's) takes them
+    too; None where no dimension is dynamic. Keyword inputs keep static shapes: torch.export's
+    input check of a ``**kwargs`` forward can name inputs by paths its own check function does
+    not define (``NameError: name 'L'`` at the first call, torch 2.14)."""
     auto = torch.export.Dim.AUTO
+    dynamic = False
 
     def spec(x: Any) -> Any:
+        nonlocal dynamic
         if isinstance(x, torch.Tensor):
-            return {i: auto for i in range(x.dim())}
+            dims = dynamic_dims(x)
+            dynamic = dynamic or len(dims) > 0
+            return {i: auto for i in dims}
         if isinstance(x, (list, tuple)):
             return type(x)(spec(v) for v in x)
         if isinstance(x, dict):
@@ -231,8 +279,10 @@ def _auto_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict[str, Any] |
     try:
         bound = inspect.signature(model.forward).bind(*args)
     except (TypeError, ValueError):
-        return tuple(spec(a) for a in args)
-    return {name: spec(value) for name, value in bound.arguments.items()}
+        shapes: Any = tuple(spec(a) for a in args)
+    else:
+        shapes = {name: spec(value) for name, value in bound.arguments.items()}
+    return shapes if dynamic else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,34 +34,56 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from ..errors import AmpRewriteError
+
 __all__ = ["InputGuards", "fast_input_guards", "is_input_guards", "GUARDS_ATTR"]
 
 GUARDS_ATTR = "_guards_fn"
 
 
 class InputGuards(nn.Module):
-    """The input-shape assertions of an exported module (``self._guards_fn(x)``)."""
+    """The input-shape assertions of an exported module (``self._guards_fn(x)``), and a check
+    that each tensor is floating where the capture's was and not where it was not.
+
+    NB: an integer tensor where a floating one was traced (or the reverse) takes other paths
+    through the model: token ids where features were traced would reach the captured cast
+    and come out as floats, where the model itself raises (*mat1 and mat2 must have the same
+    dtype*). Another floating dtype is fine (O2/O3 cast floating inputs at the entry). The
+    check costs one ``is_floating_point()`` per tensor argument, next to the shape check it
+    joins; the converted module's call turns its error into one naming the argument
+    (:func:`amprewrite.graph.inputs.input_mismatch`)."""
 
     # NB: the node calling it has no users; fx's dead-code elimination keeps it for this flag,
     # as it keeps torch.export's own guard module.
     _is_impure = True
 
-    def __init__(self, check: Callable[..., None], traced: Callable[..., None]) -> None:
+    def __init__(self, check: Callable[..., None], traced: Callable[..., None],
+                 floating: tuple[bool | None, ...] = ()) -> None:
         super().__init__()
         self._check = check
         self._traced = traced
+        self._floating = floating
+        """Per argument: whether the captured tensor was floating; None for non-tensors."""
 
     def forward(self, *args: Any) -> None:
         if torch.compiler.is_dynamo_compiling():
-            return self._traced(*args)
+            return self._traced(*args)  # Dynamo guards on dtypes itself
+        for i, (x, floating) in enumerate(zip(args, self._floating)):
+            if floating is not None and x.is_floating_point() is not floating:
+                raise AmpRewriteError(
+                    f"argument {i} of the converted module's forward is a {x.dtype} tensor, "
+                    f"where the capture traced a{' floating' if floating else 'n integer'} "
+                    "one: the graph holds the model's code for that kind of tensor. Convert "
+                    "again with example inputs of the dtypes you will pass.")
         return self._check(*args)
 
-
     def __reduce__(self) -> Any:
-        return (_rebuilt_guards, (marshal.dumps(self._check.__code__), sys.version_info[:2]))
+        return (_rebuilt_guards, (marshal.dumps(self._check.__code__), sys.version_info[:2],
+                                  self._floating))
 
 
-def _rebuilt_guards(code: bytes, version: tuple[int, int]) -> InputGuards:
+def _rebuilt_guards(code: bytes, version: tuple[int, int],
+                    floating: tuple[bool | None, ...] = ()) -> InputGuards:
     if version != sys.version_info[:2]:
         raise TypeError(
             f"amprewrite: this converted module was pickled on Python {version[0]}.{version[1]} "
@@ -73,7 +95,7 @@ def _rebuilt_guards(code: bytes, version: tuple[int, int]) -> InputGuards:
     # The namespace torch.export runs the check in (torch/export/_unlift.py).
     check = types.FunctionType(marshal.loads(code),
                                {**SYMPY_INTERP, "math": math, "inf": float("inf")}, "_")
-    return InputGuards(check, torch._dynamo.dont_skip_tracing(check))
+    return InputGuards(check, torch._dynamo.dont_skip_tracing(check), floating)
 
 
 def is_input_guards(node: fx.Node) -> bool:
@@ -99,4 +121,13 @@ def fast_input_guards(gm: fx.GraphModule) -> None:
         return
     check = _plain_check(guards)
     if check is not None:
-        setattr(gm, GUARDS_ATTR, InputGuards(check, guards.forward))
+        setattr(gm, GUARDS_ATTR, InputGuards(check, guards.forward, _floating_args(gm)))
+
+
+def _floating_args(gm: fx.GraphModule) -> tuple[bool | None, ...]:
+    """For each argument of the guard call, whether the capture traced a floating tensor."""
+    call = next((n for n in gm.graph.nodes if is_input_guards(n)), None)
+    if call is None:
+        return ()
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in call.args]
+    return tuple(v.is_floating_point() if isinstance(v, torch.Tensor) else None for v in vals)

@@ -29,6 +29,7 @@ from ..errors import AmpRewriteError
 from ..graph.fake import fake_state
 from ..policy.opkey import module_op_names
 from ..policy.registry import registered_functions
+from ..runtime.attention import multi_head_attention
 from ..runtime.fp8 import FP8_FUNCTIONS
 from ..runtime.functions import RUNTIME_FUNCTIONS
 from ..runtime.low_copies import LOW_COPIES_ATTR
@@ -44,7 +45,7 @@ __all__ = ["capture_symbolic", "propagate_meta", "unshare_leaf_modules"]
 class _AmpTracer(fx.Tracer):
     def __init__(self) -> None:
         super().__init__(autowrap_functions=RUNTIME_FUNCTIONS + FP8_FUNCTIONS
-                         + registered_functions())
+                         + (multi_head_attention,) + registered_functions())
         self.regions: list[Region] = []
         self.leaf_types = tuple(t for t, _ in module_op_names())
 

@@ -78,21 +78,27 @@ def _torch_python_function(node: fx.Node) -> bool:
         (getattr(node.target, "__module__", None) or "").startswith("torch.")
 
 
-def one_level(node: fx.Node, concrete: bool = False) -> fx.GraphModule | None:
+def one_level(node: fx.Node, concrete: bool = False,
+              symbolic: bool = False) -> fx.GraphModule | None:
     """What ``node``'s op calls, one level down, as an ATen graph traced on the node's fake
     inputs (``meta["val"]``); None if it cannot be traced.
 
     ``concrete``: trace on meta tensors of the size hints instead (the graph is then
-    specialised to those sizes: only fit for inspection)."""
+    specialised to those sizes: only fit for inspection). ``symbolic``: trace those meta
+    tensors with symbolic sizes, so that the graph reads every size it uses off its inputs
+    (``sym_size`` nodes) instead of holding the example's; its values belong to another
+    shape environment than the node's graph, so whoever inlines it runs its nodes again."""
     inputs = node.all_input_nodes
     vals = [a.meta["val"] for a in inputs]
     mode: Any = detect_fake_mode(vals)
     if mode is None:
         return None
-    if concrete:
+    tracing = "real"
+    if concrete or symbolic:
         vals = [torch.empty([s if isinstance(s, int) else s.node.hint for s in v.shape],
                             dtype=v.dtype, device="meta") for v in vals]
         mode = contextlib.nullcontext()
+        tracing = "symbolic" if symbolic else "real"
 
     def call(*xs: Any) -> Any:
         env = dict(zip(inputs, xs))
@@ -104,7 +110,7 @@ def one_level(node: fx.Node, concrete: bool = False) -> fx.GraphModule | None:
 
     try:
         with mode:
-            return make_fx(call, tracing_mode="real", pre_dispatch=True)(*vals)
+            return make_fx(call, tracing_mode=tracing, pre_dispatch=True)(*vals)
     except Exception:  # an op make_fx cannot follow: the caller keeps the node whole
         return None
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import map_aggregate
 
 __all__ = ["fake_run", "fake_state", "graph_fake_mode", "val_of", "same_val"]
@@ -61,17 +62,27 @@ def fake_run(gm: fx.GraphModule, node: fx.Node) -> Any:
                 with fake_state(module, mode):
                     return module(*args, **kwargs)
     except Exception:
-        # NB: some meta kernels reject symbolic sizes (aten.addbmm in torch 2.13), which
-        # export's dynamic shapes produce. Casts change dtypes, never shapes: learn the
+        # NB: some meta kernels reject symbolic sizes (aten.addbmm in torch 2.13, aten.lstm),
+        # which export's dynamic shapes produce. Casts change dtypes, never shapes: learn the
         # output dtypes from concrete-size meta tensors, keep the recorded shapes.
-        if node.op == "call_module" or not isinstance(node.meta.get("val"), torch.Tensor):
+        recorded = node.meta.get("val")
+        if node.op == "call_module" or not _tensors(recorded):
             raise
         meta_args, meta_kwargs = map_aggregate((args, kwargs), _concrete_meta)
         out = (node.target(*meta_args, **meta_kwargs) if node.op == "call_function"
                else getattr(meta_args[0], node.target)(*meta_args[1:], **meta_kwargs))
         with ctx:
-            return node.meta["val"].to(out.dtype)
+            if isinstance(recorded, torch.Tensor):
+                return recorded.to(out.dtype)
+            return type(recorded)(r.to(o.dtype) for r, o in zip(recorded, out))
     raise ValueError(f"fake_run: cannot run {node.format_node()}")
+
+
+def _tensors(val: Any) -> bool:
+    """A tensor, or a tuple or list of tensors (a multi-output op's value)."""
+    return isinstance(val, torch.Tensor) or (
+        isinstance(val, (tuple, list)) and bool(val)
+        and all(isinstance(v, torch.Tensor) for v in val))
 
 
 def graph_fake_mode(gm: fx.GraphModule) -> Any:
@@ -81,7 +92,10 @@ def graph_fake_mode(gm: fx.GraphModule) -> Any:
 
 
 def _concrete_meta(x: Any) -> Any:
-    """A meta tensor like ``x`` with its size hints as concrete sizes."""
+    """A meta tensor like ``x`` with its size hints as concrete sizes (a symbolic size given
+    as an argument: its hint)."""
+    if isinstance(x, torch.SymInt):
+        return x.node.hint
     if not isinstance(x, torch.Tensor):
         return x
     shape = [s if isinstance(s, int) else s.node.hint for s in x.shape]
@@ -89,9 +103,12 @@ def _concrete_meta(x: Any) -> Any:
 
 
 def same_val(a: Any, b: Any) -> bool:
-    """Same dtypes and shapes, recursively (values of fake tensors are not compared)."""
+    """Same dtypes and shapes, recursively (values of fake tensors are not compared). NB: a
+    size that depends on data (``x[mask]``) is a new symbol in every fake run: equal only
+    where provably so, never a guard (which raises on such a size)."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+        return a.dtype == b.dtype and a.device == b.device and a.dim() == b.dim() and \
+            all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) == len(b) and all(same_val(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and not isinstance(a, torch.Tensor)

@@ -122,5 +122,7 @@ def input_mismatch(gm: nn.Module, model_name: str, args: tuple, kwargs: dict[str
             + "\n".join(lines) + "\n"
             "A converted module runs the graph captured from convert()'s example inputs. Call it "
             "with inputs of those dtypes and sizes, or convert again with example inputs like the "
-            "ones you will pass (positional example inputs make every dimension the model lets "
-            "vary dynamic; keyword example inputs keep their sizes).")
+            "ones you will pass. Positional example inputs make the dimensions the model lets "
+            "vary dynamic, except those of floating tensors of 4 or more dimensions (images, "
+            "video), whose sizes, batch included, are kept; keyword example inputs keep their "
+            "sizes. amprewrite.compile(model) follows any size.")

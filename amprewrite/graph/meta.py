@@ -5,8 +5,9 @@ source of dtype/device knowledge; :func:`tensor_meta` is the one accessor. Every
 amprewrite makes about a node is a frozen record stored under ``node.meta[META_KEY]``:
 a :class:`Decision` on op nodes, a :class:`CastInfo` on the cast nodes we insert.
 
-One measured fact has its own key, because it is an input to the decisions, not one of
-them: ``node.meta[RANGE_KEY]``, the largest finite |x| the node's floating output reached
+Two facts have their own keys, because they are inputs to the decisions, not decisions:
+``node.meta[PIECES_KEY]``, the ops a composite op kept whole is made of, and
+``node.meta[RANGE_KEY]``, the largest finite |x| the node's floating output reached
 over ``convert(..., calibrate=...)``'s fp32 calibration run (a float; absent on nodes the
 run did not see or that produce no floating tensor). :func:`max_abs` reads it.
 """
@@ -24,10 +25,13 @@ from ..policy.tables import OpCategory
 
 __all__ = ["META_KEY", "Decision", "CastInfo", "Fp8Step", "PendingSplit", "tensor_meta",
            "has_tensor_meta", "decision", "cast_info", "fp8_step", "pending_split", "RANGE_KEY",
-           "max_abs"]
+           "PIECES_KEY", "max_abs"]
 
 META_KEY = "amprewrite"
 RANGE_KEY = "amprewrite_max_abs"
+PIECES_KEY = "amprewrite_pieces"
+"""``node.meta[PIECES_KEY]``: the op names of the decomposition of a composite op that
+DecomposeCompositesPass traced and kept whole (a frozenset); absent where not traced."""
 
 
 @dataclasses.dataclass(frozen=True)

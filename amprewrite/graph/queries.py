@@ -18,7 +18,7 @@ import torch.fx as fx
 from ..policy.opkey import is_inplace
 from ..runtime.functions import CAST_METHODS, guarded_cast
 
-__all__ = ["cast_source", "mutated", "module_paths", "slice_args"]
+__all__ = ["cast_source", "input_dtypes", "mutated", "module_paths", "slice_args"]
 
 _METHOD_CASTS = {name: dtype for dtype, name in CAST_METHODS.items()}
 
@@ -45,6 +45,22 @@ def cast_source(node: fx.Node) -> tuple[fx.Node, torch.dtype] | None:
         if node.target is guarded_cast:
             return node.args[0], node.args[1]
     return None
+
+
+_SHORT = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32",
+          torch.float64: "f64"}
+
+
+def input_dtypes(node: fx.Node) -> str:
+    """``"x: bf16[2, 8], mask: bool[2, 8]"``: ``node``'s tensor inputs as ``meta["val"]``
+    records them, for error messages."""
+    parts = []
+    for a in node.all_input_nodes:
+        val = a.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            dtype = _SHORT.get(val.dtype, str(val.dtype).removeprefix("torch."))
+            parts.append(f"{a.name}: {dtype}{list(val.shape)}")
+    return ", ".join(parts) or "no tensor inputs"
 
 
 # Torch-level calls (symbolic capture) whose result may share memory with their first input.

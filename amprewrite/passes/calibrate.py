@@ -49,8 +49,8 @@ CalibrationInput = tuple[tuple, dict]
 _LOW = (torch.float16, torch.bfloat16)
 _SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 # Categories whose op may compute in the low dtype: LOWER always, PROMOTE at its low floor,
-# PASSTHROUGH whenever a low value reaches it (``h * h`` on a fp16 ``h``).
-_MOVABLE = (OpCategory.LOWER, OpCategory.PROMOTE, OpCategory.PASSTHROUGH)
+# PASSTHROUGH and MATCH_SELF whenever a low value reaches it (``h * h`` on a fp16 ``h``).
+_MOVABLE = (OpCategory.LOWER, OpCategory.PROMOTE, OpCategory.PASSTHROUGH, OpCategory.MATCH_SELF)
 _FORM = ("expected (args, kwargs) with args a tuple and kwargs a dict, or a non-empty list of "
          "them, e.g. calibrate=((x,), {}) or calibrate=[((x1,), {}), ((x2,), {})]")
 

@@ -27,7 +27,7 @@ from ..graph.queries import module_paths
 from ..policy.kernels import has_low_kernel
 from ..policy.opkey import is_inplace, op_key, overload_key
 from ..policy.policy import Policy
-from ..policy.tables import OpCategory
+from ..policy.tables import SAME_DTYPE_OPS, OpCategory
 from .calibrate import range_rule
 from .op_nodes import takes_decision
 
@@ -132,7 +132,14 @@ class ClassifyPass(PassBase):
         return None
 
     def _category(self, node: fx.Node, key: str) -> tuple[OpCategory, str]:
-        """The rule below the user's overrides: regions, in-place ops, the tables."""
+        """The rule below the user's overrides: regions, in-place ops, the tables; an op that
+        would pass through but needs its sources in its destination's dtype matches them."""
+        category, rule = self._table_category(node, key)
+        if category is OpCategory.PASSTHROUGH and key.removesuffix("_") in SAME_DTYPE_OPS:
+            return OpCategory.MATCH_SELF, f"{key} requires its sources in its destination's dtype"
+        return category, rule
+
+    def _table_category(self, node: fx.Node, key: str) -> tuple[OpCategory, str]:
         policy = self.policy
         region = self._region(node)
         if region is not None and not region.enabled:

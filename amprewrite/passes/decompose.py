@@ -48,8 +48,9 @@ import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from ..capture.facts import REGION_KEY
+from ..graph.fake import fake_run
 from ..graph.composites import is_composite, one_level, python_body
-from ..graph.meta import META_KEY, PendingSplit, decision, pending_split
+from ..graph.meta import META_KEY, PIECES_KEY, PendingSplit, decision, pending_split
 from ..policy.opkey import is_inplace, op_key, overload_key
 from ..policy.policy import Policy
 from ..policy.tables import OpCategory
@@ -69,6 +70,12 @@ class DecomposeCompositesPass(PassBase):
         super().__init__()
         self.policy = policy
         self._reach: dict[Any, bool] = {}
+        """Signatures (:func:`_signature`) whose split reaches no listed op: kept whole, not
+        traced again. NB: a trace costs tens of milliseconds (make_fx), and a vision model
+        holds a hundred batch norms of a few shapes."""
+        self._pieces: dict[Any, frozenset[str]] = {}
+        """The op names each of those is made of (``node.meta[PIECES_KEY]``, which tells
+        InsertCastsPass that re-running the node can give no other dtype)."""
         self._warned: set[str] = set()
 
     def call(self, gm: fx.GraphModule) -> PassResult:
@@ -103,12 +110,17 @@ class DecomposeCompositesPass(PassBase):
         was_pending = pending_split(node) is not None
         key = _signature(node)
         sub = one_level(node) if self._reach.get(key, True) else None
-        if sub is not None and _bakes_sizes(node, sub):
-            self._reach[key] = False  # kept whole: its split would fix dynamic sizes
-            sub = None
+        symbolic = sub is not None and _bakes_sizes(node, sub)
+        if symbolic:  # traced on the example's sizes, it would hold them: trace them symbolic
+            sub = one_level(node, symbolic=True)
         if sub is None or not self._reaches(sub):
             if sub is None and key not in self._reach:
                 self._warn_if_reaches_listed(node)
+            if sub is not None:
+                self._pieces[key] = frozenset(op_key(n) for n in sub.graph.nodes
+                                              if n.op == "call_function")
+            if key in self._pieces:
+                node.meta[PIECES_KEY] = self._pieces[key]
             self._reach[key] = False  # whole: not traced again on later rounds
             if was_pending:
                 del node.meta[META_KEY]
@@ -116,7 +128,7 @@ class DecomposeCompositesPass(PassBase):
         if not ready:
             node.meta[META_KEY] = PendingSplit(op_key(node))
             return not was_pending
-        pieces = _inline(gm, node, sub, self._gone)
+        pieces = _inline(gm, node, sub, self._gone, rerun=symbolic)
         if pieces is None:
             if was_pending:
                 del node.meta[META_KEY]
@@ -234,12 +246,15 @@ def _decided(node: fx.Node) -> bool:
 
 
 def _signature(node: fx.Node) -> Any:
-    """What the decomposition of ``node``'s op can depend on: the op, its arguments, and the
-    dtype and shape of each tensor among them."""
+    """What the decomposition of ``node``'s op can depend on: the op, its non-tensor
+    arguments, and the dtype, rank, device and autograd flag of each tensor among them (not
+    the sizes: decompositions of one op that reach a listed op at some sizes only are not
+    known to exist)."""
     def describe(a: Any) -> Any:
         if isinstance(a, fx.Node):
             val = a.meta.get("val")
-            return (val.dtype, str(tuple(val.shape))) if isinstance(val, torch.Tensor) else a
+            return (val.dtype, val.dim(), val.device.type, val.requires_grad) \
+                if isinstance(val, torch.Tensor) else a
         return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype)) else repr(a)
 
     args = fx.node.map_aggregate(node.args, describe)
@@ -272,16 +287,29 @@ def _bakes_sizes(node: fx.Node, sub: fx.GraphModule) -> bool:
     return False
 
 
+def _signature(node: fx.Node) -> tuple:
+    """``node``'s op and arguments, each tensor as its dtype, rank, device and autograd flag."""
+    def like(a: Any) -> Any:
+        val = a.meta.get("val") if isinstance(a, fx.Node) else a
+        if isinstance(val, torch.Tensor):
+            return ("tensor", val.dtype, val.dim(), val.device.type, val.requires_grad)
+        return ("node",) if isinstance(a, fx.Node) else a
+
+    return (node.op, node.target, repr(fx.node.map_aggregate(node.args, like)),
+            repr(fx.node.map_aggregate(node.kwargs, like)), node.meta.get(REGION_KEY))
+
+
 def _tensor_tuple(node: fx.Node) -> bool:
     val = node.meta.get("val")
     return isinstance(val, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in val)
 
 
 def _inline(gm: fx.GraphModule, node: fx.Node, sub: fx.GraphModule | fx.Graph,
-            gone: set[fx.Node]) -> list[fx.Node] | None:
+            gone: set[fx.Node], rerun: bool = False) -> list[fx.Node] | None:
     """Replace ``node`` by the nodes of ``sub`` (its placeholders are ``node``'s inputs) and
     add the nodes erased to ``gone``; the new nodes, or None where ``node``'s tuple output is
-    used whole."""
+    used whole. ``rerun``: the new nodes' values are computed on ``gm``'s fake values (``sub``
+    was traced with sizes of its own), not copied from ``sub``."""
     graph = gm.graph
     sub_graph = sub.graph if isinstance(sub, fx.GraphModule) else sub
     output = next(n for n in sub_graph.nodes if n.op == "output")
@@ -306,7 +334,9 @@ def _inline(gm: fx.GraphModule, node: fx.Node, sub: fx.GraphModule | fx.Graph,
                 new = graph.node_copy(sub_node, lambda n: env[n])
                 pieces.append(new)
             new.meta = {**kept, **{k: v for k, v in sub_node.meta.items()
-                                   if k in ("val", "tensor_meta")}}
+                                   if k in ("val", "tensor_meta") and not rerun}}
+            if rerun and new.op != "get_attr":
+                new.meta["val"] = fake_run(gm, new)
             env[sub_node] = new
     mapped = fx.node.map_arg(results, lambda n: env[n])
     if multi:

@@ -45,9 +45,11 @@ from ..graph.queries import cast_source
 from ..policy.opkey import op_key, overload_key
 from ..policy.policy import Policy
 from ..policy.tables import OpCategory
-from ..runtime.functions import fp32_if_eligible, guarded_cast, guarded_promote
+from ..runtime.attention import multi_head_attention
+from ..runtime.functions import fp32_if_eligible, guarded_cast, guarded_match, guarded_promote
 from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
 from ..runtime.weight_table import gathered_cast_dtype, is_fetch, read_name
+from .propagation import run_failure, traced_dtype_may_differ
 
 __all__ = ["InsertCastsPass"]
 
@@ -97,21 +99,26 @@ class InsertCastsPass(PassBase):
     def _repropagate(self, node: fx.Node) -> None:
         """Recompute ``node``'s ``meta["val"]`` from its inputs' (now final) values.
 
-        Every node is recomputed, not only those downstream of a new cast: an export traced
-        in the AMP regime (:mod:`amprewrite.capture.export`) records the dtypes *autocast*
-        gives each op, and the policy may differ from autocast's lists (the default policy's
-        CUDA rules on a CPU model), so a recorded dtype is only a first guess.
+        Not only nodes downstream of a new cast are recomputed: an export traced in the AMP
+        regime (:mod:`amprewrite.capture.export`) records the dtypes *autocast* gives each
+        op, and the policy may differ from autocast's lists (the default policy's CUDA rules
+        on a CPU model), so a recorded dtype is only a first guess wherever autocast decided
+        it (:func:`.propagation.traced_dtype_may_differ`).
         """
         inputs = node.all_input_nodes
         missing = node.meta.get("val") is None
         needed = missing or node in self.changed or any(i in self.changed for i in inputs)
+        if not needed and not traced_dtype_may_differ(node) and \
+                not any(cast_info(i) is not None for i in inputs):
+            return  # its inputs are as traced, and autocast did not decide its dtype
         try:
             new = fake_run(self.gm, node)
         except Exception as exc:
             if not needed:
                 return  # an op fake tensors cannot run (no meta kernel): keep its record
             if not missing:
-                raise
+                raise AmpRewriteError(
+                    run_failure(node, exc, self.policy, self.dtype)) from exc
             raise AmpRewriteError(
                 f"the example inputs do not run through node {node.format_node()}, even with "
                 f"the policy's casts in place: {type(exc).__name__}: {exc}. Check that the "
@@ -127,6 +134,8 @@ class InsertCastsPass(PassBase):
             return self._cast_all(node, rec, lambda _: rec.compute_dtype)
         if category is OpCategory.PROMOTE:
             return self._promote(node, rec)
+        if category is OpCategory.MATCH_SELF:
+            return self._match_self(node, rec)
         if category is OpCategory.FP32_DTYPE_ARG:
             return self._set_dtype_arg(node, rec)
         if category is OpCategory.FP32_APPEND_DTYPE:
@@ -195,6 +204,39 @@ class InsertCastsPass(PassBase):
         node.args = fx.node.map_arg(node.args, lambda a: items.get(a, a))
         node.kwargs = fx.node.map_arg(node.kwargs, lambda a: items.get(a, a))
         node.meta[META_KEY] = dataclasses.replace(rec, casts=(promoted.name,), guarded=True)
+        return True
+
+    def _match_self(self, node: fx.Node, rec: Decision) -> bool:
+        """Cast the floating sources of a destination-writing op (``masked_scatter``,
+        ``index_put``...) to the destination's dtype, its first input's."""
+        destination = node.args[0] if node.args else None
+        if not isinstance(destination, fx.Node):
+            return False
+        if not self.static:
+            return self._match_guarded(node, rec, destination)
+        val = destination.meta.get("val")
+        if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+            return False  # an integer destination: torch's own rules apply
+        if val.dtype != rec.compute_dtype:
+            node.meta[META_KEY] = rec = dataclasses.replace(rec, compute_dtype=val.dtype)
+        return self._cast_all(node, rec, lambda a: None if a is destination else val.dtype)
+
+    def _match_guarded(self, node: fx.Node, rec: Decision, destination: fx.Node) -> bool:
+        sources = [a for a in node.all_input_nodes if a is not destination
+                   and not _matched(a)]
+        if not sources:
+            return False
+        graph = node.graph
+        matched = {}
+        with graph.inserting_before(node):
+            for a in sources:
+                matched[a] = graph.call_function(guarded_match,
+                                                 (a, destination, self.policy.device_type))
+                matched[a].meta[META_KEY] = CastInfo(self.dtype, guarded=True, weight=False)
+        node.args = fx.node.map_arg(node.args, lambda a: matched.get(a, a))
+        node.kwargs = fx.node.map_arg(node.kwargs, lambda a: matched.get(a, a))
+        node.meta[META_KEY] = dataclasses.replace(
+            rec, casts=tuple(m.name for m in matched.values()), guarded=True)
         return True
 
     def _set_dtype_arg(self, node: fx.Node, rec: Decision) -> bool:
@@ -338,11 +380,13 @@ class InsertCastsPass(PassBase):
 def _stateful(node: fx.Node) -> bool:
     """Calls not to re-run on fake tensors: the grad-mode calls of an inlined ``no_grad``
     region (they would flip the converting process's grad mode), torch.export's input-shape
-    guard, and the gathered weight reads (their values are the weights', recorded already)."""
+    guard, the gathered weight reads (their values are the weights', recorded already) and
+    a fused attention call (its sub-graph's ops were converted before it was made)."""
     if node.op == "call_function" and node.target is operator.getitem and \
             isinstance(node.args[0], fx.Node) and is_fetch(node.args[0]):
         return True
-    return (node.op == "call_function" and node.target in GRAD_MODE_FUNCTIONS) or \
+    return (node.op == "call_function" and (node.target in GRAD_MODE_FUNCTIONS
+                                            or node.target is multi_head_attention)) or \
         is_input_guards(node) or is_fetch(node)
 
 
@@ -351,6 +395,10 @@ def _nodes_in(argument: Any) -> list[fx.Node]:
     found: list[fx.Node] = []
     fx.node.map_arg(argument, found.append)
     return found
+
+
+def _matched(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is guarded_match
 
 
 def _promoted_item(node: fx.Node) -> bool:

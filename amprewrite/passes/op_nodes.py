@@ -9,6 +9,7 @@ import torch.fx as fx
 from ..capture.facts import GRAD_MODE_FUNCTIONS
 from ..capture.guards import is_input_guards
 from ..graph.meta import cast_info, fp8_step, pending_split
+from ..runtime.attention import multi_head_attention
 from ..runtime.weight_table import is_fetch
 
 __all__ = ["takes_decision"]
@@ -27,10 +28,12 @@ def _cast_item(node: fx.Node) -> bool:
 
 
 def _is_export_guard(node: fx.Node) -> bool:
-    """torch.export's input-shape check (``self._guards_fn(x)``) and the grad-mode calls of an
-    inlined ``no_grad`` region: not ops of the model, never cast."""
-    return is_input_guards(node) or \
-        (node.op == "call_function" and node.target in GRAD_MODE_FUNCTIONS)
+    """torch.export's input-shape check (``self._guards_fn(x)``), the grad-mode calls of an
+    inlined ``no_grad`` region and a fused attention call (decided when it was made, its ops
+    in a sub-graph: :mod:`amprewrite.passes.attention`): not ops of the model to classify,
+    never cast."""
+    return is_input_guards(node) or (node.op == "call_function" and (
+        node.target in GRAD_MODE_FUNCTIONS or node.target is multi_head_attention))
 
 
 def takes_decision(node: fx.Node) -> bool:

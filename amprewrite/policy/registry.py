@@ -18,14 +18,16 @@ __all__ = ["register_op", "registered", "registered_functions"]
 
 _REGISTRY: dict[str, OpCategory] = {}
 _FUNCTIONS: dict[str, Callable] = {}
-_ALLOWED = (OpCategory.LOWER, OpCategory.FP32, OpCategory.PROMOTE, OpCategory.PASSTHROUGH)
+_ALLOWED = (OpCategory.LOWER, OpCategory.FP32, OpCategory.PROMOTE, OpCategory.PASSTHROUGH,
+            OpCategory.MATCH_SELF)
 
 
 def register_op(fn: Callable, category: OpCategory) -> Callable:
     """Classify a user function or ``torch.library`` custom op for every policy.
 
-    ``category`` is one of LOWER, FP32, PROMOTE or PASSTHROUGH. Returns ``fn`` so it can be
-    used as a decorator factory's target. Policy op overrides still win over registrations.
+    ``category`` is one of LOWER, FP32, PROMOTE, PASSTHROUGH or MATCH_SELF. Returns ``fn``
+    so it can be used as a decorator factory's target. Policy op overrides still win over
+    registrations.
     """
 
     if category not in _ALLOWED:

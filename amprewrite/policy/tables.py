@@ -17,7 +17,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 __all__ = ["OpCategory", "CUDA_TABLE", "CPU_TABLE", "DEFAULT_TABLE", "CUDA_COMPOSITES",
-           "CPU_COMPOSITES", "O2_TABLE", "O3_TABLE", "NORM_OPS"]
+           "CPU_COMPOSITES", "O2_TABLE", "O3_TABLE", "NORM_OPS", "SAME_DTYPE_OPS"]
 
 
 class OpCategory(enum.Enum):
@@ -38,6 +38,10 @@ class OpCategory(enum.Enum):
     """Floating inputs are cast to the widest floating input dtype (fp32 beats fp16/bf16)."""
     PASSTHROUGH = "passthrough"
     """Runs in whatever dtype arrives; torch's own type promotion applies."""
+    MATCH_SELF = "match self"
+    """Floating inputs after the first are cast to the first's dtype: an op that writes
+    values into a destination tensor (``masked_scatter``, ``index_put``, ``scatter``...)
+    requires them in the destination's dtype and keeps it (see :data:`SAME_DTYPE_OPS`)."""
     BANNED = "banned"
     """Unsafe in low precision: conversion raises ``AmpRewriteError``."""
 
@@ -144,10 +148,25 @@ DEFAULT_TABLE: Mapping[str, OpCategory] = _with(
     FP32="binary_cross_entropy",
 )
 
+# Ops that write source values into a destination tensor (their first input) and refuse
+# sources of another dtype ("masked_scatter: expected self and source to have same dtypes").
+# No autocast table lists them, so they would pass through; where the policy's casts make
+# the dtypes differ (an O2 bf16 embedding meeting fp32 image features, a value lowered by
+# CUDA rules but not by CPU autocast's), the sources are cast to the destination's dtype,
+# which is what the model computes in eager (the destination decides the result's dtype).
+# In-place spellings (``index_put_``) share the rule. ``masked_fill``/``index_fill`` with a
+# tensor value, ``where`` and the ``*_scatter`` view ops promote by themselves.
+SAME_DTYPE_OPS = frozenset("""
+    masked_scatter index_put _unsafe_index_put _index_put_impl scatter scatter_add
+    scatter_reduce index_copy index_add index_reduce put lerp
+""".split())
+
 # Opt levels O2 and O3 (Apex's "almost fp16" and "pure fp16"): every op runs in whatever dtype
 # arrives, except ops that need one dtype for all their floating inputs (matmuls, convolutions,
 # attention: every op an autocast table lowers), whose inputs are cast to the low dtype, and
-# the promote ops. O2 keeps normalisation layers in fp32; O3 runs them in the low dtype too.
+# the promote ops but those of SAME_DTYPE_OPS, which keep their destination's dtype, as the
+# model cast to the low dtype does. O2 keeps normalisation layers in fp32; O3 runs them in
+# the low dtype too.
 _NORMS = """
     batch_norm instance_norm layer_norm group_norm rms_norm native_layer_norm native_group_norm
     native_batch_norm _native_batch_norm_legit _native_batch_norm_legit_functional
@@ -156,7 +175,9 @@ _NORMS = """
 _ONE_DTYPE = " ".join(sorted({k for t in (CUDA_TABLE, CPU_TABLE) for k, v in t.items()
                               if v is OpCategory.LOWER}))
 _PROMOTE = " ".join(sorted({k for t in (CUDA_TABLE, CPU_TABLE) for k, v in t.items()
-                            if v is OpCategory.PROMOTE and k != "grid_sample"}))
+                            if v is OpCategory.PROMOTE and k != "grid_sample"
+                            and k not in SAME_DTYPE_OPS}))
 O2_TABLE: Mapping[str, OpCategory] = _table(LOWER=_ONE_DTYPE, FP32=_NORMS, PROMOTE=_PROMOTE)
 O3_TABLE: Mapping[str, OpCategory] = _table(LOWER=_ONE_DTYPE + _NORMS, PROMOTE=_PROMOTE)
 NORM_OPS = frozenset(_NORMS.split())
+

@@ -11,8 +11,8 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["guarded_cast", "guarded_promote", "fp32_if_eligible", "RUNTIME_FUNCTIONS",
-           "CAST_METHODS", "cast_to"]
+__all__ = ["guarded_cast", "guarded_promote", "guarded_match", "fp32_if_eligible",
+           "RUNTIME_FUNCTIONS", "CAST_METHODS", "cast_to"]
 
 CAST_METHODS = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat16",
                 torch.float64: "double"}
@@ -55,10 +55,20 @@ def guarded_promote(xs: Sequence[Any], low: torch.dtype,
             for x in xs]
 
 
+def guarded_match(x: Any, destination: Any, device_type: str | None = None) -> Any:
+    """``x`` in the dtype of ``destination`` (a floating tensor that an op such as
+    ``masked_scatter`` writes ``x`` into) if ``x`` is an eligible tensor of another dtype, else
+    ``x`` itself."""
+    if isinstance(destination, torch.Tensor) and destination.is_floating_point() and \
+            _eligible(x, device_type) and x.dtype != destination.dtype:
+        return cast_to(x, destination.dtype)
+    return x
+
+
 def fp32_if_eligible(x: Any, device_type: str | None = None) -> torch.dtype | None:
     """The ``dtype=`` argument autocast's ``fp32_set_opt_dtype`` fills in: fp32 for an
     eligible first input, None (op unaltered) otherwise."""
     return torch.float32 if _eligible(x, device_type) else None
 
 
-RUNTIME_FUNCTIONS = (guarded_cast, guarded_promote, fp32_if_eligible)
+RUNTIME_FUNCTIONS = (guarded_cast, guarded_promote, guarded_match, fp32_if_eligible)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 from _hf_zoo import Arch, Example, tensor_leaves
-from _versions import TORCH_RELEASE
+from _versions import TRANSFORMERS_RELEASE
 
 import amprewrite
 from amprewrite import Policy
@@ -44,10 +44,13 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
         "ops, so autograd differentiates those instead of its own backward (convert warns). "
         "Outputs are bitwise; gradients differ in the 5th digit.",
     **({("dinov2", "preset_grads"):
-        "torch >= 2.12: torch.export's own graph of Dinov2 gives gradients that differ from "
-        "eager's in the last bits (max 3e-10) under torch.autocast, with no amprewrite involved "
-        "(torch.export.export(model).module() shows it); outputs are bitwise. torch 2.11 is "
-        "bitwise."} if TORCH_RELEASE >= (2, 12) else {}),
+        "transformers >= 5.18, any torch: Dinov2 builds its attention mask with "
+        "create_bidirectional_mask, which skips the mask in eager but never under torch.export "
+        "(the graph adds a zero fp32 mask to the bf16 attention scores: the same outputs, "
+        "another rounding in the backward): torch.export's own graph gives gradients that "
+        "differ from eager's in the last bits "
+        "under torch.autocast, with no amprewrite involved; outputs are bitwise. transformers "
+        "5.17 is bitwise."} if TRANSFORMERS_RELEASE >= (5, 18) else {}),
 }
 """(architecture, capability) -> why it does not work yet. Tests of these cases are strict
 xfails (a fix makes them fail until the entry is removed); the support matrix shows the

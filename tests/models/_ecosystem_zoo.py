@@ -168,16 +168,11 @@ def _denoiser(make: Callable[[], nn.Module],
 
 ZOO: tuple[Model, ...] = (
     # -- torchvision ------------------------------------------------------------------------
-    _classifier(build.tv_resnet, "torchvision"),
-    _classifier(build.tv_mobilenet_v3, "torchvision"),
-    _classifier(build.tv_efficientnet, "torchvision"),
-    _classifier(build.tv_convnext, "torchvision"),
-    _classifier(build.tv_regnet, "torchvision"),
-    _classifier(build.tv_shufflenet, "torchvision"),
-    _classifier(build.tv_densenet, "torchvision"),
-    _classifier(build.tv_vit, "torchvision"),  # nn.MultiheadAttention
-    _classifier(build.tv_swin, "torchvision"),
-    _classifier(build.tv_googlenet, "torchvision"),
+    *(_classifier(make, "torchvision") for make in (
+        build.tv_resnet, build.tv_mobilenet_v3, build.tv_efficientnet, build.tv_convnext,
+        build.tv_regnet, build.tv_shufflenet, build.tv_densenet,
+        build.tv_vit,  # nn.MultiheadAttention
+        build.tv_swin, build.tv_googlenet)),
     Model("tv_lraspp", "torchvision", "segmentation", build.tv_lraspp, images(64), field("out"),
           cross_entropy_on(field("out"), class_dim=1)),
     Model("tv_video_resnet", "torchvision", "video", build.tv_video_resnet, clips),
@@ -185,16 +180,11 @@ ZOO: tuple[Model, ...] = (
     Model("tv_raft", "torchvision", "optical-flow", build.tv_raft, image_pairs, last_flow,
           mean_square_of(last_flow)),
     # -- timm -------------------------------------------------------------------------------
-    _classifier(build.timm_vit, "timm"),
-    _classifier(build.timm_eva, "timm"),
-    _classifier(build.timm_convnext, "timm"),
-    _classifier(build.timm_resnet, "timm"),
-    _classifier(build.timm_efficientnet, "timm"),
-    _classifier(build.timm_mixer, "timm"),
-    _classifier(build.timm_nfnet, "timm"),
-    _classifier(build.timm_coatnet, "timm", images(64)),
-    _classifier(build.timm_levit, "timm", images(64)),
-    _classifier(build.timm_efficientformerv2, "timm", images(64)),
+    *(_classifier(make, "timm") for make in (
+        build.timm_vit, build.timm_eva, build.timm_convnext, build.timm_resnet,
+        build.timm_efficientnet, build.timm_mixer, build.timm_nfnet)),
+    *(_classifier(make, "timm", images(64)) for make in (  # downsample by 32 or window
+        build.timm_coatnet, build.timm_levit, build.timm_efficientformerv2)),
     _classifier(build.timm_poolformer, "timm"),
     _classifier(build.timm_swin, "timm"),
     _classifier(build.timm_ghostnetv2, "timm", images(64)),

@@ -1,14 +1,14 @@
 """Every amprewrite capability on the ecosystem zoo (``_ecosystem_zoo.py``): torchvision,
 timm, diffusers and the multimodal classes of transformers.
 
-The checks are the HuggingFace zoo's (``_hf_checks.py``), one test per capability. A model
+The checks are the HuggingFace zoo's (``_hf_checks.py``), one case per capability and model. A model
 whose library does not import here is skipped with the import error (torchvision's wheels
 load only with the torch they were built for; ``pip install 'amprewrite[zoo]'``). Cases in
 ``_ecosystem_gaps.KNOWN_GAPS`` are strict xfails that expect their symptom.
 
 Conversion dominates the run time (seconds per model and column on one CPU thread), so by
 default the :data:`EVERY_MODEL` columns run on every model, the others on
-:data:`REPRESENTATIVES` (one model per library and task), and every known gap runs (so that
+:data:`REPRESENTATIVES` (one model per library), and every known gap runs (so that
 a fix shows as a strict XPASS). Two environment variables widen it:
 
 - ``AMPREWRITE_ZOO_FULL=1``: every column on every model;

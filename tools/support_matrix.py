@@ -1,27 +1,32 @@
-"""Which amprewrite capabilities work on which HuggingFace architectures: a markdown table.
+"""Which amprewrite capabilities work on which models of a zoo: a markdown table.
 
     python tools/support_matrix.py                          # every architecture and capability
     python tools/support_matrix.py --only llama,bert --capabilities default,compile
     python tools/support_matrix.py --json results.json     # also dump the raw results
     python tools/support_matrix.py --update-docs            # rewrite docs/models.md's matrix block
+    python tools/support_matrix.py --zoo ecosystem          # torchvision, timm, diffusers, ...
 
 Runs the checks of ``tests/models/_hf_checks.py`` (the ones ``tests/models/test_hf_zoo.py``
-runs) on the zoo of ``tests/models/_hf_zoo.py``, all in this process, and catches every
-failure. Each cell is "yes" or "no" with a footnote: the first line of the error, or the
-``KNOWN_GAPS`` reason. ``--update-docs`` replaces what lies between
-``<!-- support-matrix:begin -->`` and ``<!-- support-matrix:end -->`` in docs/models.md.
+and ``test_ecosystem_zoo.py`` run) on the zoo of ``tests/models/_hf_zoo.py`` (``--zoo
+transformers``, the default) or of ``_ecosystem_zoo.py`` (``--zoo ecosystem``: every model
+whose library imports, the slow-to-convert ones included), all in this process, and catches
+every failure. Each cell is "yes" or "no" with a footnote: the first line of the error, or the
+known gap's reason. ``--update-docs`` replaces what lies between
+``<!-- support-matrix:begin -->`` and ``<!-- support-matrix:end -->`` (``ecosystem-matrix``
+for the ecosystem zoo) in docs/models.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import pathlib
 import sys
 import time
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from tabulate import tabulate
@@ -30,14 +35,57 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # _versions, read by the checks
 sys.path.insert(0, str(ROOT / "tests" / "models"))
 
-import transformers  # noqa: E402
-from _hf_checks import CAPABILITIES, KNOWN_GAPS, run_check  # noqa: E402
-from _hf_zoo import ZOO, Arch  # noqa: E402
-from _hf_zoo import arch as zoo_arch
+from _hf_checks import CAPABILITIES, run_check  # noqa: E402
+from _zoo_entry import ZooEntry  # noqa: E402
 
-BEGIN, END = "<!-- support-matrix:begin -->", "<!-- support-matrix:end -->"
 MAX_NOTE = 300
 """Footnotes keep at most this many characters of an error's first line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Zoo:
+    """A zoo the matrix runs on.
+
+    Attributes:
+        entries: its models.
+        known_gaps: (model, capability) -> why it does not work yet.
+        model_class: the class column's text for an entry.
+        marker: the name of docs/models.md's block (``<!-- {marker}:begin -->``).
+        libraries: the packages whose versions the footer names.
+    """
+
+    entries: tuple[ZooEntry, ...]
+    known_gaps: dict[tuple[str, str], str]
+    model_class: Callable[[Any], str]
+    marker: str
+    libraries: tuple[str, ...]
+
+
+def transformers_zoo() -> Zoo:
+    from _hf_checks import KNOWN_GAPS
+    from _hf_zoo import ZOO
+
+    return Zoo(ZOO, KNOWN_GAPS, lambda arch: arch.model_class.__name__, "support-matrix",
+               ("torch", "transformers"))
+
+
+def ecosystem_zoo() -> Zoo:
+    from _ecosystem_gaps import KNOWN_GAPS
+    from _ecosystem_zoo import ZOO
+
+    here = []
+    for m in ZOO:
+        if (why := m.missing()) is None:
+            here.append(m)
+        else:
+            print(f"{m.name}: left out, {why}", file=sys.stderr)
+    libraries = sorted({m.library for m in here}, key=[m.library for m in ZOO].index)
+    return Zoo(tuple(here), {key: gap.reason for key, gap in KNOWN_GAPS.items()},
+               lambda m: type(m.build()).__name__, "ecosystem-matrix", ("torch", *libraries))
+
+
+ZOOS: dict[str, Callable[[], Zoo]] = {"transformers": transformers_zoo,
+                                      "ecosystem": ecosystem_zoo}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +117,7 @@ def first_line(exc: BaseException) -> str:
     return text if len(text) <= MAX_NOTE else text[:MAX_NOTE - 3] + "..."
 
 
-def run_case(arch: Arch, capability: str) -> Result:
+def run_case(zoo: Zoo, arch: ZooEntry, capability: str) -> Result:
     """Run one check, catching whatever it raises."""
     start = time.perf_counter()
     try:
@@ -77,17 +125,17 @@ def run_case(arch: Arch, capability: str) -> Result:
         error = None
     except Exception as exc:  # noqa: BLE001  (every failure is a cell of the matrix)
         error = first_line(exc)
-    return Result(arch.name, arch.family, arch.model_class.__name__, capability, error is None,
-                  error, KNOWN_GAPS.get((arch.name, capability)), time.perf_counter() - start)
+    return Result(arch.name, arch.family, zoo.model_class(arch), capability, error is None,
+                  error, zoo.known_gaps.get((arch.name, capability)), time.perf_counter() - start)
 
 
-def run_all(archs: Sequence[Arch], capabilities: Sequence[str]) -> list[Result]:
+def run_all(zoo: Zoo, archs: Sequence[ZooEntry], capabilities: Sequence[str]) -> list[Result]:
     """Every capability on every architecture, with one progress line per case on stderr."""
     results = []
     total = len(archs) * len(capabilities)
     for arch in archs:
         for capability in capabilities:
-            result = run_case(arch, capability)
+            result = run_case(zoo, arch, capability)
             results.append(result)
             status = "yes" if result.ok else f"no: {result.error}"
             print(f"[{len(results):3d}/{total}] {arch.name} {capability}: {status} "
@@ -95,7 +143,13 @@ def run_all(archs: Sequence[Arch], capabilities: Sequence[str]) -> list[Result]:
     return results
 
 
-def render(results: Sequence[Result], capabilities: Sequence[str]) -> str:
+def versions(libraries: Sequence[str]) -> str:
+    """``torch 2.14.1, timm 1.0.31, ...``: the versions of the given installed packages."""
+    return ", ".join(f"{name} {importlib.import_module(name).__version__}" for name in libraries)
+
+
+def render(results: Sequence[Result], capabilities: Sequence[str],
+           libraries: Sequence[str] = ("torch", "transformers")) -> str:
     """The markdown table, a pass count and the numbered footnotes."""
     notes: dict[str, int] = {}  # identical messages share one footnote
     by_arch: dict[str, dict[str, Result]] = {}
@@ -117,22 +171,22 @@ def render(results: Sequence[Result], capabilities: Sequence[str]) -> str:
     table = tabulate(rows, headers=["architecture", "family", "class", *capabilities],
                      tablefmt="github")
     passed = sum(r.ok for r in results)
-    lines = [table, "", f"{passed} of {len(results)} cases pass "
-             f"(torch {torch.__version__}, transformers {transformers.__version__}).", ""]
+    lines = [table, "", f"{passed} of {len(results)} cases pass ({versions(libraries)}).", ""]
     lines += [f"{n}. {text}" for text, n in notes.items()]
     return "\n".join(lines)
 
 
-def update_readme(path: pathlib.Path, block: str) -> None:
-    """Replace the text between the support-matrix markers of ``path`` with ``block``."""
+def update_readme(path: pathlib.Path, block: str, marker: str = "support-matrix") -> None:
+    """Replace the text between the ``marker`` lines of ``path`` with ``block``."""
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
     text = path.read_text()
-    if BEGIN not in text or END not in text or text.index(BEGIN) > text.index(END):
+    if begin not in text or end not in text or text.index(begin) > text.index(end):
         raise SystemExit(
-            f"{path}: no support-matrix block to replace. Add the two lines\n  {BEGIN}\n  {END}\n"
+            f"{path}: no {marker} block to replace. Add the two lines\n  {begin}\n  {end}\n"
             "where the matrix should go, then run --update-docs again.")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{BEGIN}\n{block}\n{END}{tail}")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{block}\n{end}{tail}")
 
 
 def _names(value: str | None, known: Sequence[str], what: str) -> list[str]:
@@ -147,32 +201,38 @@ def _names(value: str | None, known: Sequence[str], what: str) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--zoo", choices=sorted(ZOOS), default="transformers",
+                        help="which zoo (default: transformers)")
     parser.add_argument("--only", help="comma-separated architectures (default: the whole zoo)")
     parser.add_argument("--capabilities",
                         help=f"comma-separated capabilities (default: {','.join(CAPABILITIES)})")
     parser.add_argument("--json", type=pathlib.Path, help="write the raw results here")
     parser.add_argument("--update-docs", "--update-readme", dest="update_docs",
                         action="store_true",
-                        help=f"replace the block between {BEGIN} and {END} in docs/models.md")
+                        help="replace the zoo's block in docs/models.md")
     args = parser.parse_args(argv)
-    archs = [zoo_arch(n) for n in _names(args.only, [a.name for a in ZOO], "architectures")]
+    zoo = ZOOS[args.zoo]()
+    by_name = {a.name: a for a in zoo.entries}
+    archs = [by_name[n] for n in _names(args.only, list(by_name), "architectures")]
     capabilities = _names(args.capabilities, CAPABILITIES, "capabilities")
 
     # The matrix records failures; warnings and transformers' notices would bury the progress.
     warnings.simplefilter("ignore")
+    import transformers
+
     transformers.logging.set_verbosity_error()
-    results = run_all(archs, capabilities)
-    block = render(results, capabilities)
+    results = run_all(zoo, archs, capabilities)
+    block = render(results, capabilities, zoo.libraries)
     print(block)
     if args.json is not None:
         payload: dict[str, Any] = {
-            "torch": torch.__version__, "transformers": transformers.__version__,
+            **{name: importlib.import_module(name).__version__ for name in zoo.libraries},
             "capabilities": capabilities,
-            "known_gaps": [[a, c, reason] for (a, c), reason in KNOWN_GAPS.items()],
+            "known_gaps": [[a, c, reason] for (a, c), reason in zoo.known_gaps.items()],
             "results": [dataclasses.asdict(r) for r in results]}
         args.json.write_text(json.dumps(payload, indent=1) + "\n")
     if args.update_docs:
-        update_readme(ROOT / "docs" / "models.md", block)
+        update_readme(ROOT / "docs" / "models.md", block, zoo.marker)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
-"""One check per amprewrite capability, run on a zoo architecture (see ``_hf_zoo.py``).
+"""One check per amprewrite capability, run on any zoo entry (``_zoo_entry.ZooEntry``): the
+architectures of ``_hf_zoo.py`` and the models of ``_ecosystem_zoo.py``.
 
 Each check builds its own model (cheap), compares against a deep copy of it run eagerly, and
 raises :class:`CheckFailed` with the numbers that matter (the max |diff|, the first parameter
-that differs) when the capability does not hold. ``test_hf_zoo.py`` runs them as tests and
-``tools/support_matrix.py`` as a table, so the two cannot drift apart.
+that differs) when the capability does not hold. ``test_hf_zoo.py`` and
+``test_ecosystem_zoo.py`` run them as tests and ``tools/support_matrix.py`` as a table, so the
+three cannot drift apart. ``KNOWN_GAPS`` and :data:`INDUCTOR` name HuggingFace architectures;
+the ecosystem zoo lists its gaps in its own module, and its ``compile`` checks run the rewritten
+graphs eagerly.
 """
 
 from __future__ import annotations
@@ -14,13 +18,14 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from _hf_zoo import Arch, Example, tensor_leaves
-from _versions import TRANSFORMERS_RELEASE
+from _zoo_entry import Example, ZooEntry, tensor_leaves
+from _versions import TORCH_RELEASE, TRANSFORMERS_RELEASE
 
 import amprewrite
 from amprewrite import Policy
 
-__all__ = ["CAPABILITIES", "CHECKS", "CheckFailed", "INDUCTOR", "KNOWN_GAPS", "run_check"]
+__all__ = ["CAPABILITIES", "CHECKS", "CheckFailed", "INDUCTOR", "KNOWN_GAPS", "run_check",
+           "check_tiny_and_deterministic"]
 
 LOW = torch.bfloat16
 
@@ -81,7 +86,8 @@ def _convert(model: nn.Module, example: Example, **options: Any) -> nn.Module:
     return amprewrite.convert(model, args, example_kwargs=kwargs, **options)
 
 
-def _eager_outputs(arch: Arch, model: nn.Module, example: Example) -> tuple[torch.Tensor, torch.Tensor]:
+def _eager_outputs(arch: ZooEntry, model: nn.Module,
+                   example: Example) -> tuple[torch.Tensor, torch.Tensor]:
     """The compared output of ``model`` in fp32 and under CPU autocast, without gradients."""
     with torch.no_grad():
         fp32 = arch.output(_call(model, example))
@@ -175,7 +181,37 @@ def _expect_unchanged(what: str, model: nn.Module, before: dict[str, torch.Tenso
 # -- the checks -----------------------------------------------------------------------------
 
 
-def check_default(arch: Arch) -> None:
+def check_tiny_and_deterministic(arch: ZooEntry, max_parameters: int) -> None:
+    """What every check relies on: two builds are equal, the model has at most
+    ``max_parameters`` parameters, its forward and loss are finite in fp32, and train mode
+    draws no random numbers (no active dropout or drop path: two forwards under different
+    seeds are bitwise equal), so that a model and its deep copy train identically."""
+    model, twin = arch.build(), arch.build()
+    n = sum(p.numel() for p in model.parameters())
+    _expect(n <= max_parameters, lambda: f"{arch.name}: {n} parameters > {max_parameters}")
+    differ = [name for (name, p), (_, q) in zip(model.state_dict().items(),
+                                                twin.state_dict().items())
+              if not torch.equal(p, q)]
+    _expect(not differ, lambda: f"{arch.name}: two builds differ in {differ[0]}")
+    example = arch.example()
+    with torch.no_grad():
+        out = _call(model, example)
+        for i, t in enumerate(tensor_leaves(out)):
+            if t.is_floating_point():
+                _expect_finite(f"{arch.name}: output tensor {i}", t)
+        _expect_finite(f"{arch.name}: loss", arch.loss(out))
+        model.train()
+        runs = []
+        for seed in (1, 2):
+            with torch.random.fork_rng(devices=[]):  # the caller's random state is kept
+                torch.manual_seed(seed)
+                runs.append(tensor_leaves(_call(model, example)))
+    same = len(runs[0]) == len(runs[1]) and all(torch.equal(a, b) for a, b in zip(*runs))
+    _expect(same, lambda: f"{arch.name}: two train-mode forwards under different seeds differ: "
+                          "a dropout or drop path rate is not 0")
+
+
+def check_default(arch: ZooEntry) -> None:
     """``convert`` with the default policy, eval mode: finite, within 2x autocast's error,
     the user's model is left as it was, and the converted module saves the model's keys."""
     model, example = arch.build(), arch.example()
@@ -191,7 +227,7 @@ def check_default(arch: Arch) -> None:
                                f"model's has not (they would not load into it): {extra[:3]}")
 
 
-def check_preset_outputs(arch: Arch) -> None:
+def check_preset_outputs(arch: ZooEntry) -> None:
     """``Policy.autocast("cpu")``, eval mode: every output tensor bitwise equal to eager
     torch.autocast's, under ``no_grad`` and under ``inference_mode`` (as servers run models;
     there the cached weight copies, made under ``no_grad``, are read by inference tensors)."""
@@ -206,7 +242,7 @@ def check_preset_outputs(arch: Arch) -> None:
         _expect_same_tensors(f"preset_outputs under {mode.__name__}", got, want)
 
 
-def check_preset_grads(arch: Arch) -> None:
+def check_preset_grads(arch: ZooEntry) -> None:
     """``Policy.autocast("cpu")``, train mode: every parameter gradient of one backward
     bitwise equal to eager torch.autocast's (the loss is computed in fp32 outside it)."""
     model, example = arch.build().train(), arch.example()
@@ -219,13 +255,13 @@ def check_preset_grads(arch: Arch) -> None:
     _expect_same_grads(model, twin)
 
 
-def _o1_loss(arch: Arch, model: nn.Module, example: Example) -> float:
+def _o1_loss(arch: ZooEntry, model: nn.Module, example: Example) -> float:
     gm = _convert(copy.deepcopy(model), example)
     with torch.no_grad():
         return arch.loss(_call(gm, example)).item()
 
 
-def check_o2_step(arch: Arch) -> None:
+def check_o2_step(arch: ZooEntry) -> None:
     """O2 (bf16 weights, fp32 masters) and AdamW bound with ``MasterWeights``: one step with
     a finite loss close to O1's, fp32 masters, and refreshed low-precision copies after it."""
     model, example = arch.build().train(), arch.example()
@@ -250,7 +286,7 @@ def check_o2_step(arch: Arch) -> None:
                     "did not reach the low-precision copies")
 
 
-def check_o3_step(arch: Arch) -> None:
+def check_o3_step(arch: ZooEntry) -> None:
     """O3 (everything bf16, on the module's own copies): one SGD step with a finite loss,
     gradients on the copies, and the user's model untouched."""
     model, example = arch.build().train(), arch.example()
@@ -267,7 +303,7 @@ def check_o3_step(arch: Arch) -> None:
     _expect_unchanged("an O3 training step", model, before)
 
 
-def check_compile(arch: Arch) -> None:
+def check_compile(arch: ZooEntry) -> None:
     """``amprewrite.compile`` (Dynamo capture + rewrite; Inductor for :data:`INDUCTOR`),
     eval mode: at least one graph rewritten, output within 2x autocast's error."""
     torch._dynamo.reset()  # one model class appears in several entries: no stale guards
@@ -281,7 +317,7 @@ def check_compile(arch: Arch) -> None:
     _expect_close_to_fp32("compile", out, fp32, autocast)
 
 
-def check_audit(arch: Arch) -> None:
+def check_audit(arch: ZooEntry) -> None:
     """``amprewrite.audit()`` around forward + backward of the converted model (default
     policy, train mode): a non-empty table, and records of both phases."""
     model, example = arch.build().train(), arch.example()
@@ -297,7 +333,7 @@ def check_audit(arch: Arch) -> None:
                     "expected forward and backward")
 
 
-CHECKS: dict[str, Callable[[Arch], None]] = {
+CHECKS: dict[str, Callable[[ZooEntry], None]] = {
     "default": check_default,
     "preset_outputs": check_preset_outputs,
     "preset_grads": check_preset_grads,
@@ -309,6 +345,6 @@ CHECKS: dict[str, Callable[[Arch], None]] = {
 CAPABILITIES: tuple[str, ...] = tuple(CHECKS)
 
 
-def run_check(arch: Arch, capability: str) -> None:
+def run_check(arch: ZooEntry, capability: str) -> None:
     """Run one capability's check on one architecture (raises when it does not hold)."""
     CHECKS[capability](arch)

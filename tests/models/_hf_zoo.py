@@ -7,7 +7,8 @@ is downloaded: models are built from config objects with ``torch.manual_seed(0)`
 builds are equal. Every dropout (and layer drop, drop path, SpecAugment masking) is 0, so
 train mode is deterministic and two copies of a model train identically.
 
-The zoo is shared by ``test_hf_zoo.py`` and ``tools/support_matrix.py``.
+The zoo is shared by ``test_hf_zoo.py`` and ``tools/support_matrix.py``; an :class:`Arch` is
+a ``_zoo_entry.ZooEntry``, so the checks of ``_hf_checks.py`` run on it.
 """
 
 from __future__ import annotations
@@ -17,13 +18,10 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 import transformers
+from _zoo_entry import Example, cross_entropy_on, field, mean_square_of, model_loss, tensor_leaves
 
 __all__ = ["Arch", "Example", "FAMILIES", "ZOO", "arch", "tensor_leaves"]
-
-Example = tuple[tuple[Any, ...], dict[str, Any]]
-"""Positional and keyword arguments of one forward call."""
 
 FAMILIES = ("decoder", "moe", "ssm", "encoder", "encoder-decoder", "audio", "vision")
 
@@ -75,63 +73,9 @@ class Arch:
 
 # -- reading outputs and losses -------------------------------------------------------------
 
-
-def tensor_leaves(out: Any) -> list[torch.Tensor]:
-    """Every tensor in a model output, in a fixed order: ModelOutputs, dicts, sequences, and
-    KV caches (whose pytree registration depends on whether ``torch.export`` has run)."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, transformers.cache_utils.Cache):
-        return [t for layer in out.layers for t in tensor_leaves([layer.keys, layer.values])]
-    if isinstance(out, dict):  # ModelOutput is an OrderedDict of the fields that are set
-        return [t for value in out.values() for t in tensor_leaves(value)]
-    if isinstance(out, (list, tuple)):
-        return [t for value in out for t in tensor_leaves(value)]
-    return []
-
-
-def _field(name: str) -> Callable[[Any], torch.Tensor]:
-    def read(out: Any) -> torch.Tensor:
-        return out[name]
-
-    read.__name__ = f"read_{name}"
-    return read
-
-
-logits = _field("logits")
-last_hidden_state = _field("last_hidden_state")
-pooler_output = _field("pooler_output")
-
-
-def _fixed_targets(shape: torch.Size, classes: int) -> torch.Tensor:
-    return torch.randint(0, classes, shape, generator=torch.Generator().manual_seed(1))
-
-
-def cross_entropy_on(read: Callable[[Any], torch.Tensor],
-                     class_dim: int = -1) -> Callable[[Any], torch.Tensor]:
-    """Cross-entropy of the tensor ``read`` returns against fixed pseudo-random classes,
-    computed in fp32 whatever the output dtype."""
-
-    def loss(out: Any) -> torch.Tensor:
-        scores = read(out).float().movedim(class_dim, -1)
-        targets = _fixed_targets(scores.shape[:-1], scores.shape[-1]).to(scores.device)
-        return F.cross_entropy(scores.reshape(-1, scores.shape[-1]), targets.reshape(-1))
-
-    return loss
-
-
-def mean_square_of(read: Callable[[Any], torch.Tensor]) -> Callable[[Any], torch.Tensor]:
-    """Mean square of a feature tensor in fp32: a loss for headless ``*Model`` classes."""
-
-    def loss(out: Any) -> torch.Tensor:
-        return read(out).float().pow(2).mean()
-
-    return loss
-
-
-def model_loss(out: Any) -> torch.Tensor:
-    """The loss the model computed itself from ``labels``."""
-    return out["loss"].float()
+logits = field("logits")
+last_hidden_state = field("last_hidden_state")
+pooler_output = field("pooler_output")
 
 
 # -- inputs ---------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ live in ``_hf_checks.py``, which ``tools/support_matrix.py`` runs as well. Cases
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
@@ -22,8 +21,9 @@ from _hf_checks import (  # noqa: E402  (needs transformers)
     check_o3_step,
     check_preset_grads,
     check_preset_outputs,
+    check_tiny_and_deterministic,
 )
-from _hf_zoo import ZOO, Arch, tensor_leaves  # noqa: E402
+from _hf_zoo import ZOO, Arch  # noqa: E402
 
 MAX_PARAMETERS = 100_000
 """Zoo models stay tiny: bf16 matmuls on CPUs without native bf16 are ~70x slower than fp32."""
@@ -47,20 +47,7 @@ def test_known_gaps_name_real_cases() -> None:
 
 @pytest.mark.parametrize("arch", [pytest.param(a, id=a.name) for a in ZOO])
 def test_zoo_entry_is_tiny_and_deterministic(arch: Arch) -> None:
-    """The entry builds equal models, has no active dropout and runs a finite fp32 forward."""
-    model, twin = arch.build(), arch.build()
-    n = sum(p.numel() for p in model.parameters())
-    assert n <= MAX_PARAMETERS, f"{arch.name}: {n} parameters > {MAX_PARAMETERS}"
-    for (name, p), (_, q) in zip(model.state_dict().items(), twin.state_dict().items()):
-        assert torch.equal(p, q), f"{arch.name}: two builds differ in {name}"
-    active = [name for name, m in model.named_modules()
-              if isinstance(m, torch.nn.Dropout) and m.p > 0]
-    assert not active, f"{arch.name}: dropout with p > 0 in {active}"
-    args, kwargs = arch.example()
-    with torch.no_grad():
-        out = model(*args, **kwargs)
-    assert all(torch.isfinite(t).all() for t in tensor_leaves(out) if t.is_floating_point())
-    assert torch.isfinite(arch.loss(out)), f"{arch.name}: loss is not finite"
+    check_tiny_and_deterministic(arch, MAX_PARAMETERS)
 
 
 @pytest.mark.parametrize("arch", _cases("default"))

@@ -31,13 +31,6 @@ class Gap:
 
 
 KNOWN_GAPS: dict[tuple[str, str], Gap] = {
-    ("hf_llava", "o2_step"): Gap(
-        r"masked_scatter: expected self and source to have same dtypes but got "
-        r"torch\.bfloat16 and torch\.float32",
-        "convert fails in InsertCastsPass: masked_scatter: expected self and source to have "
-        "same dtypes but got torch.bfloat16 and torch.float32 (the projected image features "
-        "scattered into the bf16 text embeddings); the user sees only \"An error occurred when "
-        "running the 'InsertCastsPass' pass\"."),
     ("hf_llava", "preset_grads"): Gap(
         r"preset_grads: \d+ of 64 parameter gradients differ from autocast's; "
         r"first: model\.vision_tower\.",

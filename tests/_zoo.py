@@ -225,6 +225,23 @@ class Composites(nn.Module):
         return a + b + c, hy, cy, gru
 
 
+class Recurrent(nn.Module):
+    """Sequence RNNs fed a low-precision activation: autocast lowers the kernel beneath
+    ``aten.lstm`` (oneDNN's ``mkldnn_rnn_layer``, cuDNN's ``_cudnn_rnn``), so input, states and
+    weights all run in the low dtype."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.lstm = nn.LSTM(dim, dim, num_layers=2, batch_first=True, bidirectional=True)
+        self.gru = nn.GRU(2 * dim, dim, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y, (h, c) = self.lstm(self.proj(x))
+        z, g = self.gru(y)
+        return z, h, c, g
+
+
 @dataclasses.dataclass(frozen=True)
 class ZooCase:
     name: str

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from _zoo import ZOO, ZooCase
+from _zoo import ZOO, Recurrent, ZooCase
 
 import amprewrite
 from amprewrite.graph.meta import cast_info
@@ -264,9 +264,81 @@ def test_a_split_composite_keeps_dynamic_sizes_symbolic() -> None:
         assert torch.equal(gm(x), want), rows
 
 
-def test_composite_that_cannot_be_split_warns() -> None:
+class _RelativePosition(nn.Module):
+    """MViT's relative position term: an einsum of a projected (low-precision) query and an
+    fp32 table, which the op whole refuses and autocast runs, casting at the ``bmm`` inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.table = nn.Parameter(torch.randn(3, 4, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("btc,hkc->bthk", self.q(x), self.table)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_a_composite_fed_mixed_dtypes_is_split_as_autocast_runs_it(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    model = _RelativePosition()
+    gm = _convert(model, (torch.randn(2, 6, 8),), dtype, "export")
+    bmm = [n for n in gm.graph.nodes if "bmm" in str(n.target)]
+    assert len(bmm) == 1 and all(a.meta["val"].dtype == dtype for a in bmm[0].all_input_nodes)
+    assert not any("einsum" in str(n.target) for n in gm.graph.nodes)
+    for batch in (2, 5):  # the split reads the sizes off its inputs
+        x = torch.randn(batch, 6, 8)
+        got = _run(gm, (x,))
+        got_grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=dtype):
+            want = _run(model, (x,))
+        assert got[0].dtype == want[0].dtype == dtype and torch.equal(got[0], want[0]), batch
+        assert all(torch.equal(a, p.grad) for a, p in zip(got_grads, model.parameters()))
+        model.zero_grad()
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_sequence_rnns_match_autocast(dtype: torch.dtype) -> None:
+    """nn.LSTM and nn.GRU after a linear layer (which the symbolic tracer cannot follow, so
+    export only): autocast lowers the kernel under ``aten.lstm``, and so does the preset, bit
+    for bit, forward and backward."""
+    model, x = Recurrent().train(), torch.randn(2, 5, 8)
+    gm = _convert(model, (x,), dtype, "export")
+    rnn_nodes = [n for n in gm.graph.nodes if n.target in (torch.ops.aten.lstm.input,
+                                                            torch.ops.aten.gru.input)]
+    assert len(rnn_nodes) == 2
+    for node in rnn_nodes:  # every floating input cast: input, states, weights
+        assert {a.meta["val"].dtype for a in node.all_input_nodes} == {dtype}, node.format_node()
+    got = _run(gm, (x,))
+    got_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=dtype):
+        want = _run(model, (x,))
+    assert [t.dtype for t in got] == [t.dtype for t in want] == [dtype] * 4
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, p.grad) for a, p in zip(got_grads, model.parameters()))
+
+
+def test_the_default_policy_runs_sequence_rnns_in_the_low_dtype() -> None:
+    """The CUDA rules (the default policy, on every device) lower the RNN too (cuDNN's
+    ``_cudnn_rnn`` is lowered by autocast): no low-precision input meets fp32 weights."""
+    model, x = Recurrent().eval(), torch.randn(2, 5, 8)
+    gm = amprewrite.convert(model, (x,))
+    z, h, c, g = gm(x)
+    assert (z.dtype, h.dtype, c.dtype, g.dtype) == (torch.bfloat16,) * 4  # a CPU's default
+    with torch.no_grad():
+        want = model(x)
+    assert torch.allclose(z.float(), want[0], atol=2e-2)
+
+
+def test_composite_that_cannot_be_split_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unlisted composite whose kernel rejects symbolic sizes stays whole, and says so.
+    ``aten.lstm`` is one once the CPU table drops it (the table lists it for its kernel)."""
+    from amprewrite.policy import policy as policy_module
+    table = {k: v for k, v in policy_module._PRESET_TABLES["cpu"].items() if k != "lstm"}
+    monkeypatch.setitem(policy_module._PRESET_TABLES, "cpu", table)
     model = nn.LSTM(8, 8, batch_first=True)
-    with pytest.warns(UserWarning, match="could not be split"):
+    with pytest.warns(UserWarning, match=r"aten\.lstm\.input.* could not be split"):
         amprewrite.convert(model, (torch.randn(2, 5, 8),), capture="export",
                            policy=amprewrite.Policy.autocast("cpu", torch.bfloat16))
 

@@ -29,6 +29,7 @@ checks it on each supported release.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import types
 from typing import Any, Callable
@@ -78,8 +79,8 @@ def _torch_python_function(node: fx.Node) -> bool:
         (getattr(node.target, "__module__", None) or "").startswith("torch.")
 
 
-def one_level(node: fx.Node, concrete: bool = False,
-              symbolic: bool = False) -> fx.GraphModule | None:
+def one_level(node: fx.Node, concrete: bool = False, symbolic: bool = False,
+              one_dtype: bool = False) -> fx.GraphModule | None:
     """What ``node``'s op calls, one level down, as an ATen graph traced on the node's fake
     inputs (``meta["val"]``); None if it cannot be traced.
 
@@ -87,12 +88,21 @@ def one_level(node: fx.Node, concrete: bool = False,
     specialised to those sizes: only fit for inspection). ``symbolic``: trace those meta
     tensors with symbolic sizes, so that the graph reads every size it uses off its inputs
     (``sym_size`` nodes) instead of holding the example's; its values belong to another
-    shape environment than the node's graph, so whoever inlines it runs its nodes again."""
+    shape environment than the node's graph, so whoever inlines it runs its nodes again.
+    ``one_dtype``: trace on floating inputs promoted to one dtype, for an op whose pieces
+    reject the mixed dtypes that autocast would cast at a listed piece (``einsum`` of a bf16
+    activation and an fp32 table reaches ``bmm``); the graph's values hold the promoted dtype,
+    so whoever inlines it runs its nodes again, as autocast would."""
     inputs = node.all_input_nodes
     vals = [a.meta["val"] for a in inputs]
     mode: Any = detect_fake_mode(vals)
     if mode is None:
         return None
+    if one_dtype:
+        floating = [v.dtype for v in vals if v.is_floating_point()]
+        wide = functools.reduce(torch.promote_types, floating) if floating else None
+        with mode:
+            vals = [v.to(wide) if v.is_floating_point() else v for v in vals]
     tracing = "real"
     if concrete or symbolic:
         vals = [torch.empty([s if isinstance(s, int) else s.node.hint for s in v.shape],

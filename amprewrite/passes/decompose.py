@@ -39,6 +39,7 @@ and run by the composite table's rule.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import warnings
 from typing import Any
@@ -110,9 +111,13 @@ class DecomposeCompositesPass(PassBase):
         was_pending = pending_split(node) is not None
         key = _signature(node)
         sub = one_level(node) if self._reach.get(key, True) else None
+        autocast = self._autocast(node) if sub is None and key not in self._reach else None
+        if autocast is not None:  # a piece rejects mixed dtypes that autocast would cast
+            sub = one_level(node, one_dtype=True)
+        one_dtype = autocast is not None and sub is not None
         symbolic = sub is not None and _bakes_sizes(node, sub)
         if symbolic:  # traced on the example's sizes, it would hold them: trace them symbolic
-            sub = one_level(node, symbolic=True)
+            sub = one_level(node, symbolic=True, one_dtype=one_dtype)
         if sub is None or not self._reaches(sub):
             if sub is None and key not in self._reach:
                 self._warn_if_reaches_listed(node)
@@ -128,7 +133,8 @@ class DecomposeCompositesPass(PassBase):
         if not ready:
             node.meta[META_KEY] = PendingSplit(op_key(node))
             return not was_pending
-        pieces = _inline(gm, node, sub, self._gone, rerun=symbolic)
+        pieces = _inline(gm, node, sub, self._gone, rerun=symbolic or one_dtype,
+                         autocast=autocast)
         if pieces is None:
             if was_pending:
                 del node.meta[META_KEY]
@@ -140,6 +146,17 @@ class DecomposeCompositesPass(PassBase):
                 self._visit(gm, piece, all(a in settled for a in piece.all_input_nodes),
                             settled)
         return True
+
+    def _autocast(self, node: fx.Node) -> torch.autocast | None:
+        """``torch.autocast`` as the preset mirrors it, where ``node``'s floating inputs mix
+        dtypes on the preset's device: the pieces of its split are then run under it to learn
+        their dtypes (a listed piece casts its inputs, as the passes after this one will)."""
+        vals = [a.meta.get("val") for a in node.all_input_nodes]
+        floating = [v for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        devices = {v.device.type for v in floating}
+        if len({v.dtype for v in floating}) < 2 or len(devices) != 1:
+            return None
+        return self.policy.mirrored_autocast(devices.pop())
 
     def _candidate(self, node: fx.Node) -> bool:
         if node.op not in ("call_function", "call_method") or is_inplace(node):
@@ -305,11 +322,13 @@ def _tensor_tuple(node: fx.Node) -> bool:
 
 
 def _inline(gm: fx.GraphModule, node: fx.Node, sub: fx.GraphModule | fx.Graph,
-            gone: set[fx.Node], rerun: bool = False) -> list[fx.Node] | None:
+            gone: set[fx.Node], rerun: bool = False,
+            autocast: torch.autocast | None = None) -> list[fx.Node] | None:
     """Replace ``node`` by the nodes of ``sub`` (its placeholders are ``node``'s inputs) and
     add the nodes erased to ``gone``; the new nodes, or None where ``node``'s tuple output is
     used whole. ``rerun``: the new nodes' values are computed on ``gm``'s fake values (``sub``
-    was traced with sizes of its own), not copied from ``sub``."""
+    was traced with sizes or dtypes of its own), not copied from ``sub``; under ``autocast``
+    if given."""
     graph = gm.graph
     sub_graph = sub.graph if isinstance(sub, fx.GraphModule) else sub
     output = next(n for n in sub_graph.nodes if n.op == "output")
@@ -336,7 +355,8 @@ def _inline(gm: fx.GraphModule, node: fx.Node, sub: fx.GraphModule | fx.Graph,
             new.meta = {**kept, **{k: v for k, v in sub_node.meta.items()
                                    if k in ("val", "tensor_meta") and not rerun}}
             if rerun and new.op != "get_attr":
-                new.meta["val"] = fake_run(gm, new)
+                with autocast or contextlib.nullcontext():
+                    new.meta["val"] = fake_run(gm, new)
             env[sub_node] = new
     mapped = fx.node.map_arg(results, lambda n: env[n])
     if multi:

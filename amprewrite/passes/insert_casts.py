@@ -40,7 +40,7 @@ from ..capture.facts import GRAD_KEY, GRAD_MODE_FUNCTIONS
 from ..capture.guards import is_input_guards
 from ..errors import AmpRewriteError
 from ..graph.fake import fake_run, same_val
-from ..graph.meta import META_KEY, CastInfo, Decision, cast_info, decision
+from ..graph.meta import META_KEY, CastInfo, Decision, cast_info, decision, pending_split
 from ..graph.queries import cast_source
 from ..policy.opkey import op_key, overload_key
 from ..policy.policy import Policy
@@ -112,7 +112,7 @@ class InsertCastsPass(PassBase):
                 not any(cast_info(i) is not None for i in inputs):
             return  # its inputs are as traced, and autocast did not decide its dtype
         try:
-            new = fake_run(self.gm, node)
+            new = self._run(node)
         except Exception as exc:
             if not needed:
                 return  # an op fake tensors cannot run (no meta kernel): keep its record
@@ -126,6 +126,21 @@ class InsertCastsPass(PassBase):
         if not same_val(new, node.meta.get("val")):
             self.changed.add(node)
         node.meta["val"] = new
+
+    def _run(self, node: fx.Node) -> Any:
+        """``node``'s value on its inputs' values. A composite waiting to be split runs as
+        autocast runs it, where the policy mirrors autocast: its pieces cast their inputs, so
+        the op whole may meet dtypes it refuses (``einsum`` of bf16 and fp32 reaches ``bmm``)."""
+        try:
+            return fake_run(self.gm, node)
+        except Exception:
+            devices = {v.device.type for v in (a.meta.get("val") for a in node.all_input_nodes)
+                       if isinstance(v, torch.Tensor)}
+            autocast = self.policy.mirrored_autocast(*devices) if len(devices) == 1 else None
+            if pending_split(node) is None or autocast is None:
+                raise
+            with autocast:
+                return fake_run(self.gm, node)
 
     # -- per category --------------------------------------------------------------------
     def _rewrite(self, node: fx.Node, rec: Decision) -> bool:

@@ -313,6 +313,16 @@ class Policy:
                 return table[k], f"{self.preset} table"
         return None
 
+    def mirrored_autocast(self, device_type: str) -> torch.autocast | None:
+        """The ``torch.autocast`` this policy mirrors on ``device_type``: the preset's own,
+        where the preset is ``"cpu"`` or ``"cuda"`` and so is ``device_type``; else None.
+        A composite op is run under it to learn the dtype autocast gives it while it waits to
+        be split (its pieces cast, the op whole may refuse its inputs' mixed dtypes)."""
+        if self.preset != device_type or device_type not in ("cpu", "cuda") or \
+                self.dtype is None:
+            return None
+        return torch.autocast(device_type, dtype=self.dtype)
+
     def composite_rule(self, key: str) -> tuple[OpCategory, str] | None:
         """The rule for a composite op the preset's autocast runs piecewise, when its node
         could not be split into its pieces (see ``_tables.CUDA_COMPOSITES``)."""

@@ -5,7 +5,8 @@ autocast registers (``"linear"``, ``"softmax"``, ``"conv_transpose2d"``), or
 ``"packet.overload"`` where one overload differs from the rest (only ``norm`` does).
 
 The CUDA and CPU tables mirror torch 2.13's ``AutocastCUDA`` / ``AutocastCPU`` registrations
-exactly (``include/ATen/autocast_mode.h`` and ``autocast_mode.cpp``). ``*_COMPOSITES`` record
+exactly (``include/ATen/autocast_mode.h`` and ``autocast_mode.cpp``), plus the sequence RNN
+ops, whose kernels both backends lower beneath them (``_RNN``). ``*_COMPOSITES`` record
 ops that autocast does not list but whose decomposition reaches a listed op, for a
 torch-level graph node (``F.cross_entropy``) that cannot be split into its pieces.
 """
@@ -61,9 +62,16 @@ _LOWER_COMMON = """
     conv_transpose3d prelu addmm matmul linalg_vecdot linear addbmm baddbmm bmm mm
 """
 
-# CUDA: 35 lower + 59 fp32 + 11 set_opt_dtype + 2 append_dtype + 11 promote + 1 banned.
+# The sequence RNN ops are not registered themselves, but both backends lower the kernel each
+# one reaches: ``_cudnn_rnn`` on CUDA (``_cudnn_rnn_cast_reflatten`` casts input, states and
+# weights to fp16) and ``mkldnn_rnn_layer`` on CPU. A captured graph keeps ``aten.lstm``
+# whole, so the rule sits on it; left unlisted, a low-precision input would meet fp32 weights
+# (oneDNN: "could not create a primitive descriptor for the LSTM forward propagation").
+_RNN = " lstm gru rnn_tanh rnn_relu "
+
+# CUDA: 35 lower (+ 4 RNN ops) + 59 fp32 + 11 set_opt_dtype + 2 append_dtype + 11 promote + 1 banned.
 CUDA_TABLE: Mapping[str, OpCategory] = _table(
-    LOWER=_LOWER_COMMON
+    LOWER=_LOWER_COMMON + _RNN
     + """
     convolution addmv addr einsum mv chain_matmul linalg_multi_dot _thnn_fused_lstm_cell
     _thnn_fused_gru_cell lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell
@@ -91,9 +99,9 @@ CUDA_TABLE: Mapping[str, OpCategory] = _table(
     BANNED="binary_cross_entropy",
 )
 
-# CPU: 24 lower + 100 fp32 + 3 promote; no dtype-arg, append or banned ops.
+# CPU: 24 lower (+ 4 RNN ops) + 100 fp32 + 3 promote; no dtype-arg, append or banned ops.
 CPU_TABLE: Mapping[str, OpCategory] = _table(
-    LOWER=_LOWER_COMMON
+    LOWER=_LOWER_COMMON + _RNN
     + """
     _addmm_activation mkldnn_rnn_layer scaled_dot_product_attention _native_multi_head_attention
     """,

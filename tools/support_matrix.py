@@ -9,7 +9,7 @@
 Runs the checks of ``tests/models/_hf_checks.py`` (the ones ``tests/models/test_hf_zoo.py``
 and ``test_ecosystem_zoo.py`` run) on the zoo of ``tests/models/_hf_zoo.py`` (``--zoo
 transformers``, the default) or of ``_ecosystem_zoo.py`` (``--zoo ecosystem``: every model
-whose library imports, the slow-to-convert ones included), all in this process, and catches
+whose library imports), all in this process, and catches
 every failure. Each cell is "yes" or "no" with a footnote: the first line of the error, or the
 known gap's reason. ``--update-docs`` replaces what lies between
 ``<!-- support-matrix:begin -->`` and ``<!-- support-matrix:end -->`` (``ecosystem-matrix``

@@ -9,12 +9,8 @@ load only with the torch they were built for; ``pip install 'amprewrite[zoo]'``)
 Conversion dominates the run time (seconds per model and column on one CPU thread), so by
 default the :data:`EVERY_MODEL` columns run on every model, the others on
 :data:`REPRESENTATIVES` (one model per library), and every known gap runs (so that
-a fix shows as a strict XPASS). Two environment variables widen it:
-
-- ``AMPREWRITE_ZOO_FULL=1``: every column on every model;
-- ``AMPREWRITE_ZOO_SLOW=1``: also the models of ``_ecosystem_gaps.SLOW_TO_CONVERT``, which
-  are skipped (with how long they take) until conversion is fast enough to check them by
-  default.
+a fix shows as a strict XPASS). ``AMPREWRITE_ZOO_FULL=1`` runs every column on every
+model.
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-from _ecosystem_gaps import KNOWN_GAPS, SLOW_TO_CONVERT
+from _ecosystem_gaps import KNOWN_GAPS
 from _ecosystem_zoo import ZOO, Model
 from _hf_checks import CAPABILITIES, CheckFailed, check_tiny_and_deterministic, run_check
 
@@ -49,15 +45,12 @@ REPRESENTATIVES = frozenset({
 those with the most kinds of op."""
 
 FULL = os.environ.get("AMPREWRITE_ZOO_FULL") == "1"
-SLOW = os.environ.get("AMPREWRITE_ZOO_SLOW") == "1"
 
 
 def _skip_reason(entry: Model, capability: str | None) -> str | None:
     missing = entry.missing()
     if missing is not None or capability is None:
         return missing
-    if entry.name in SLOW_TO_CONVERT and not SLOW:
-        return f"slow to convert: {SLOW_TO_CONVERT[entry.name]}; AMPREWRITE_ZOO_SLOW=1 runs it"
     if (FULL or capability in EVERY_MODEL or entry.name in REPRESENTATIVES
             or (entry.name, capability) in KNOWN_GAPS):  # so that a fix shows as an XPASS
         return None
@@ -89,15 +82,13 @@ def _messages(exc: BaseException | None) -> list[str]:
 def test_gaps_name_real_cases() -> None:
     names = {entry.name for entry in ZOO}
     stale = [key for key in KNOWN_GAPS if key[0] not in names or key[1] not in CAPABILITIES]
-    stale += [name for name in SLOW_TO_CONVERT if name not in names]
     assert not stale, f"_ecosystem_gaps names unknown models/capabilities: {stale}"
 
 
 def test_the_zoo_covers_each_library_and_task() -> None:
     """torchvision: classification, segmentation, video and optical flow; 8 timm families;
-    diffusers: a UNet, a VAE and a transformer; CLIP and LLaVA; each checked by default
-    (not slow to convert)."""
-    default = [e for e in ZOO if e.name not in SLOW_TO_CONVERT]
+    diffusers: a UNet, a VAE and a transformer; CLIP and LLaVA."""
+    default = list(ZOO)
     tasks = {e.family for e in default if e.library == "torchvision"}
     assert tasks == {"classification", "segmentation", "video", "optical-flow"}, tasks
     assert sum(e.library == "torchvision" for e in default) >= 8

@@ -31,6 +31,12 @@ depends on has been decided and cast; until then it is marked
 :func:`amprewrite.passes.pipeline.run_passes` runs this pass, ClassifyPass and InsertCastsPass
 again until none is pending (one more round per level of nesting).
 
+**Mixed dtypes.** Autocast casts at the listed piece, so the op whole may refuse what its
+pieces take (``einsum`` of a bf16 query and an fp32 table: its ``bmm`` wants one dtype).
+Such an op is traced on its inputs promoted to one dtype, and its pieces' values are computed
+again on the real ones under the ``torch.autocast`` the preset mirrors; the passes after this
+one then cast at the listed piece, as autocast does.
+
 **Without dtypes** (no example inputs), only torch Python functions the policy knows autocast
 splits (its composite table: ``F.normalize``) are split, into their own code traced
 symbolically (:func:`amprewrite.graph.composites.python_body`); other composites stay whole

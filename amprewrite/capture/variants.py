@@ -137,23 +137,22 @@ class CallGuard:
         if self.snapshot is None or (self.snapshot.holds() and not slots_changed):
             return
         what = self.snapshot.changes() or ["a tensor slot the forward found empty was filled"]
-        for i, core in enumerate(self.cores):
+
+        def fits(core: fx.GraphModule) -> bool:
             state = state_of(core, gm.training) or core.meta.get(STATE_KEY)
-            if state is not None and state.holds() and state.slots_hold():
-                self.cores[i] = swap_cores(gm, core)
-                switch_graph(gm, gm.training)
-                self.snapshot = gm.meta.get(STATE_KEY)
-                return
-        self._refuse(gm, what)
-        assert self.recapture is not None  # _refuse raised otherwise
-        core = self.recapture(gm, args, kwargs)
-        warnings.warn(
-            f"amprewrite: the model's state changed since this {type(gm).__name__} was "
-            f"captured, so it was captured again for the new state ({len(self.cores) + 2} of "
-            f"at most {MAX_STATES} kept): " + "; ".join(what) + ". The earlier graph is kept "
-            "for when the state returns. convert(..., on_change='raise') makes such a change "
-            "an error instead.", stacklevel=4)
-        self.cores.append(swap_cores(gm, core))
+            return state is not None and state.holds() and state.slots_hold()
+
+        if self._hold_kept(gm, fits):
+            switch_graph(gm, gm.training)
+        else:
+            self._refuse(gm, what)
+            self._capture_new(
+                gm, args, kwargs,
+                f"the model's state changed since this {type(gm).__name__} was captured, so "
+                f"it was captured again for the new state ({self._kept()}): "
+                + "; ".join(what) + ". "
+                "The earlier graph is kept for when the state returns. convert(..., "
+                "on_change='raise') makes such a change an error instead.")
         self.snapshot = gm.meta.get(STATE_KEY)
 
     def refit(self, gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -> bool:
@@ -163,23 +162,43 @@ class CallGuard:
         call should be tried again."""
         if not self.first_call or self.recapture is None:
             return False
-        for i, core in enumerate(self.cores):
+
+        def fits(core: fx.GraphModule) -> bool:
             state = state_of(core, gm.training)
-            if state is not None and state.holds() and input_mismatch(core, "", args, kwargs) is None:
-                self.cores[i] = swap_cores(gm, core)
-                self.snapshot = gm.meta.get(STATE_KEY)
-                return True
-        message = input_mismatch(gm, type(gm).__name__, args, kwargs) or ""
-        what = message.splitlines()[1].strip() if "\n" in message else "other inputs"
-        self._refuse(gm, [what], state=False)
-        core = self.recapture(gm, args, kwargs)
-        warnings.warn(
-            f"amprewrite: this {type(gm).__name__} was called with inputs its graph was not "
-            f"captured for ({what}), so it was captured again for them "
-            f"({len(self.cores) + 2} of at most {MAX_STATES} kept).", stacklevel=4)
-        self.cores.append(swap_cores(gm, core))
+            return state is not None and state.holds() and \
+                input_mismatch(core, "", args, kwargs) is None
+
+        if not self._hold_kept(gm, fits):
+            message = input_mismatch(gm, type(gm).__name__, args, kwargs) or ""
+            what = message.splitlines()[1].strip() if "\n" in message else "other inputs"
+            self._refuse(gm, [what], state=False)
+            self._capture_new(
+                gm, args, kwargs,
+                f"this {type(gm).__name__} was called with inputs its graph was not captured "
+                f"for ({what}), so it was captured again for them ({self._kept()}).")
         self.snapshot = gm.meta.get(STATE_KEY)
         return True
+
+    def _hold_kept(self, gm: fx.GraphModule, fits: Callable[[fx.GraphModule], bool]) -> bool:
+        """Make ``gm`` hold the first kept core that ``fits``; whether there was one."""
+        for i, core in enumerate(self.cores):
+            if fits(core):
+                self.cores[i] = swap_cores(gm, core)
+                return True
+        return False
+
+    def _kept(self) -> str:
+        """How many states are kept once one more is captured, of the bound."""
+        return f"{len(self.cores) + 2} of at most {MAX_STATES} kept"
+
+    def _capture_new(self, gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any],
+                     warning: str) -> None:
+        """Capture the model as it is now with the call's inputs, hold it, keep the core
+        ``gm`` held, and warn."""
+        assert self.recapture is not None  # _refuse raised otherwise
+        core = self.recapture(gm, args, kwargs)
+        warnings.warn("amprewrite: " + warning, stacklevel=5)
+        self.cores.append(swap_cores(gm, core))
 
     def _refuse(self, gm: fx.GraphModule, what: list[str], state: bool = True) -> None:
         """Raise where no new capture may be made: the module cannot capture, the user asked

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -32,7 +32,7 @@ from .capture.logs import quiet_capture_logs
 from .capture.persistence import match_persistence
 from .capture.reads import Reads, note_leaf_modules, recording_reads, restore_classes
 from .capture.state import preserved_global_state
-from .capture.variants import GUARD_ATTR, STATE_KEY, CallGuard
+from .capture.variants import GUARD_ATTR, ON_CHANGE, STATE_KEY, CallGuard
 from .capture.symbolic import capture_symbolic, propagate_meta
 from .errors import AmpRewriteError
 from .capture.calling import finish
@@ -155,31 +155,24 @@ def convert(
     check_opt_level(opt_level, policy, dtype)
     calibration = check_calibrate(calibrate, model, opt_level)
     low = resolve_dtype(model, policy, dtype)
-    if on_change not in ("recapture", "raise"):
+    if on_change not in ON_CHANGE:
         raise ValueError(f"amprewrite.convert: on_change={on_change!r} is unknown; expected "
-                         "'recapture' or 'raise'")
+                         f"{' or '.join(map(repr, ON_CHANGE))}")
     if policy.fp8_rules is not None and low is not torch.bfloat16:
         raise ValueError(f"amprewrite.convert: dtype={low} was given with Policy.fp8(...), whose "
                          "fp8 matmuls write bf16 and whose other ops run in bf16. Drop dtype=...")
     if opt_level != "O0":
         warn_if_slow(model_device(model, example_inputs, example_kwargs), low)
     first_call = capture == "export" and example_inputs is None and example_kwargs is None
-    recapture = _Recapture(model, example_inputs, example_kwargs, policy, low, capture,
-                           opt_level, calibration, from_calls=first_call)
+    recapture = _Recapture(model, policy, low, capture, opt_level, calibration,
+                           has_inputs=first_call or example_inputs is not None
+                           or example_kwargs is not None)
     if first_call:
         return _placeholder(model, policy, low, opt_level, recapture, on_change)
-    with preserved_global_state(), quiet_capture_logs():
-        gm = _capture_and_rewrite(model, example_inputs, example_kwargs, policy, low, capture,
-                                  opt_level, calibration)
-        if opt_level != "O3":  # O3 runs on its own copy of the model: nothing is shared
-            share_tensor_dicts(gm, model)
-            relink_modes(gm)  # the weight tables read the shared dicts
-            watch_model(gm, model)
-    _record_inputs(gm, model, example_inputs, example_kwargs, capture)
-    gm.meta.setdefault(MODEL_KEY, type(model).__name__)  # a converted module keeps its name
+    gm = recapture.capture(example_inputs, example_kwargs)
     gm.__dict__[GUARD_ATTR] = CallGuard(gm, None if is_converted(model) else recapture,
-                                        on_change, gm.__dict__.get(WATCH_ATTR))
-    return finish(gm)
+                                        on_change, recapture.watch(gm))
+    return gm
 
 
 def _placeholder(model: nn.Module, policy: Policy, low: torch.dtype, opt_level: str,
@@ -199,33 +192,42 @@ class _Recapture:
     arguments, and the call's inputs where the capture needs inputs (:mod:`.capture.variants`).
     A class, not a closure, so that a deep copy of the module copies the model with it."""
 
-    def __init__(self, model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None,
-                 policy: Policy, low: torch.dtype, capture: str, opt_level: str,
-                 calibration: list[CalibrationInput] | None, from_calls: bool = False) -> None:
+    def __init__(self, model: nn.Module, policy: Policy, low: torch.dtype, capture: str,
+                 opt_level: str, calibration: list[CalibrationInput] | None,
+                 has_inputs: bool) -> None:
         self.model = model
-        self.has_inputs = args is not None or kwargs is not None or from_calls
-        self.from_calls = from_calls
+        self.has_inputs = has_inputs
+        """Whether a capture takes the call's inputs: convert's capture did (example inputs),
+        or is to be made at the first call."""
         self.policy, self.low, self.capture_path = policy, low, capture
         self.opt_level, self.calibration = opt_level, calibration
 
     def __call__(self, gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]
                  ) -> fx.GraphModule:
         call_args, call_kwargs = (args, kwargs or None) if self.has_inputs else (None, None)
+        with in_mode(self.model, gm.training):
+            return self.capture(call_args, call_kwargs, root=gm)
+
+    def capture(self, args: tuple | None, kwargs: dict[str, Any] | None,
+                root: fx.GraphModule | None = None) -> fx.GraphModule:
+        """The model converted as it is now, in the mode it is in, finished (its calls and
+        copies those of a converted module), holding the model's own tensor dicts. ``root``:
+        the converted module a capture for a new state shares its root tensors with."""
         model = self.model
-        with preserved_global_state(), quiet_capture_logs(), in_mode(model, gm.training):
-            core = _capture_and_rewrite(model, call_args, call_kwargs, self.policy, self.low,
+        with preserved_global_state(), quiet_capture_logs():
+            core = _capture_and_rewrite(model, args, kwargs, self.policy, self.low,
                                         self.capture_path, self.opt_level, self.calibration,
-                                        root=gm)
-            if self.opt_level != "O3":
+                                        root=root)
+            if self.opt_level != "O3":  # O3 runs on its own copy of the model: nothing shared
                 share_tensor_dicts(core, model)
-                relink_modes(core)
-        _record_inputs(core, model, call_args, call_kwargs, self.capture_path)
-        core.meta.setdefault(MODEL_KEY, type(model).__name__)
+                relink_modes(core)  # the weight tables read the shared dicts
+        _record_inputs(core, model, args, kwargs, self.capture_path)
+        core.meta.setdefault(MODEL_KEY, type(model).__name__)  # a converted module keeps its name
         return finish(core)
 
     def watch(self, gm: fx.GraphModule) -> ModelWatch | None:
-        """The watch over the model's hooks of a module captured at its first call, made once
-        it holds the model's tensors."""
+        """The watch over the model's hooks and tensor slots, made once ``gm`` holds the
+        model's tensors (at conversion, or at the first call)."""
         if self.opt_level != "O3":
             watch_model(gm, self.model)
         return gm.__dict__.get(WATCH_ATTR)
@@ -346,12 +348,7 @@ def _capture_one(model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | 
     if capture == "export" or (capture == "auto" and has_inputs):
         return _export_and_rewrite(model, args or (), kwargs, policy, low, opt_level,
                                    calibration, pair)
-    with recording_reads(model) as reads:
-        gm = capture_symbolic(model)
-    restore_classes(gm)
-    _check_seen(reads, model)
-    note_leaf_modules(reads, model, gm)
-    gm.meta[STATE_KEY] = StateSnapshot(reads, model)
+    gm = _recorded(model, lambda: capture_symbolic(model))
     if has_inputs:
         propagate_meta(gm, args or (), kwargs)
     return _rewrite(gm, model, policy, low, opt_level, calibration, pair)
@@ -395,13 +392,19 @@ def _export_and_rewrite(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
 
 def _recorded_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
                      regime: Regime | None, dynamic: bool, faithful: bool) -> fx.GraphModule:
-    """:func:`capture_export`, with what the model's code read (:mod:`.capture.reads`) as the
-    graph's ``meta[STATE_KEY]``."""
+    return _recorded(model, lambda: capture_export(model, args, kwargs, regime=regime,
+                                                   dynamic=dynamic, faithful=faithful))
+
+
+def _recorded(model: nn.Module, capture: Callable[[], fx.GraphModule]) -> fx.GraphModule:
+    """``capture()``'s graph of ``model``, with what the model's code read meanwhile
+    (:mod:`.capture.reads`) as its ``meta[STATE_KEY]``. The layers a symbolic capture keeps
+    whole read their state at each call: all of it counts as read."""
     with recording_reads(model) as reads:
-        gm = capture_export(model, args, kwargs, regime=regime, dynamic=dynamic,
-                            faithful=faithful)
+        gm = capture()
     restore_classes(gm)
     _check_seen(reads, model)
+    note_leaf_modules(reads, model, gm)
     gm.meta[STATE_KEY] = StateSnapshot(reads, model)
     return gm
 
@@ -423,7 +426,6 @@ def _rewrite(gm: fx.GraphModule, model: nn.Module, policy: Policy, low: torch.dt
     second mode reads the first's tensors (:func:`share_state`); None if it is the same code."""
     gm.meta.pop(META_KEY, None)
     gm.meta.setdefault(MODE_KEY, model.training)
-    state = gm.meta.get(STATE_KEY)
     code = gm.code
     if pair.main is not None:
         if code == pair.main_code:
@@ -442,8 +444,6 @@ def _rewrite(gm: fx.GraphModule, model: nn.Module, policy: Policy, low: torch.dt
         run_passes(gm, policy, low)
         fast_path_attention(gm, policy, low)
         gm = gather_weights(gm)
-    if state is not None:
-        gm.meta[STATE_KEY] = state
     if pair.main is None:
         pair.main, pair.main_code = gm, code
     return gm

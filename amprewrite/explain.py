@@ -71,6 +71,9 @@ def converted_graphs(target: Any) -> list[tuple[str, fx.GraphModule]]:
             f"amprewrite.backend() or a model from amprewrite.compile; got "
             f"{type(target).__name__}. Convert the model first: "
             "explain(amprewrite.convert(model, example_inputs)).")
+    waiting = target.meta.get(NOT_CAPTURED_YET_KEY)
+    if waiting is not None:  # a module captured at its first call, not called yet
+        raise ValueError(f"amprewrite: {waiting}")
     if policy_of(target) is None:
         raise ValueError(
             f"amprewrite.explain: GraphModule {type(target).__name__} was not converted by "

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import amprewrite
+from amprewrite.explain import explain_records
 from amprewrite.capture.variants import GUARD_ATTR, MAX_STATES
 from amprewrite.errors import AmpRewriteError
 
@@ -42,6 +43,10 @@ def test_before_its_first_call_it_is_the_model_and_says_what_to_do() -> None:
     assert "not_captured_yet" in gm.code
     assert amprewrite.explain(gm).startswith("not captured yet: this converted Sequential is "
                                              "captured at its first call")
+    for view in (explain_records, amprewrite.html_report):  # no empty table
+        with pytest.raises(ValueError, match="this converted Sequential is captured at its "
+                                             "first call"):
+            view(gm)
     sd = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
     gm.load_state_dict(sd)  # a checkpoint restored before training reaches the model
     assert all(torch.equal(p, torch.zeros_like(p)) for p in model.parameters())

@@ -171,6 +171,10 @@ def test_summary_in_words() -> None:
     assert speed_words(9.11, 11.74) == "1.29x faster than"
     assert speed_words(10.0, 13.0) == "1.3x faster than"
     assert speed_words(10.0, 10.05) == "as fast as"
+    # the page judges as the demo's line does (2% apart: as fast, in both)
+    from amprewrite.cli.measure import speed_words as line_words
+    assert speed_words(10.0, 10.2) == "as fast as"
+    assert line_words(10.2 / 10.0) == "1.02x, as fast as torch.autocast"
     assert memory_words(179, 183) == "2% less memory than"
     assert memory_words(110, 100) == "10% more memory than"
     assert memory_words(1000, 1001) == "the same memory as"

@@ -175,3 +175,18 @@ def test_the_plugin_checks_its_arguments() -> None:
         AmpPrecision(policy="bf16")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"dtype=torch.float32 is not a low-precision dtype"):
         AmpPrecision(dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"a policy was given with opt_level='O2'"):
+        AmpPrecision(policy=amprewrite.Policy.autocast("cpu"), opt_level="O2")
+
+
+@pytest.mark.parametrize("plugin", [AmpPrecision, AmpFabricPrecision])
+def test_an_explicit_dtype_wins_over_the_policys(plugin: type) -> None:
+    """fp16 named beside a bf16 policy: the precision (and its GradScaler) and the converted
+    graphs agree on fp16."""
+    precision = plugin(policy=amprewrite.Policy(dtype=torch.bfloat16), dtype=torch.float16)
+    assert precision.precision == "16-mixed"
+    module = nn.Sequential(nn.Sequential(nn.Linear(4, 4)))
+    converted = precision.convert_module(module)
+    converted = converted[0] if plugin is AmpPrecision else converted
+    out = converted(torch.randn(2, 4))
+    assert out.dtype == torch.float16

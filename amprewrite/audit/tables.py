@@ -10,7 +10,7 @@ from typing import Any
 
 from .records import OpRecord, ReportView
 
-__all__ = ["summarize", "render", "risk_rows"]
+__all__ = ["summarize", "render", "risk_rows", "magnitude"]
 
 _LOW = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64",
@@ -66,7 +66,8 @@ def _short(dtype: str | None) -> str:
     return "-" if dtype is None else _SHORT.get(dtype, dtype)
 
 
-def _fmt(x: float | None) -> str:
+def magnitude(x: float | None) -> str:
+    """A measured |x| in three digits (``"-"`` for none), as every table writes it."""
     return "-" if x is None else f"{x:.3g}"
 
 
@@ -80,7 +81,7 @@ def _row(i: int, r: OpRecord, aggregate: bool) -> list[Any]:
     row = [i, r.phase[:3], r.label, _where(r), r.module if r.node is not None else "",
            ",".join(map(_short, r.in_dtypes)), _short(r.out_dtype),
            "x".join(map(str, r.shape)) or "()",
-           _fmt(r.max_abs), _fmt(r.min_nonzero_abs),
+           magnitude(r.max_abs), magnitude(r.min_nonzero_abs),
            f"{r.nonfinite}{'*' if r.produced_nonfinite else ''}", r.fp16_overflow,
            r.fp16_underflow]
     if aggregate:
@@ -164,7 +165,7 @@ def risk_rows(report: ReportView, s: dict[str, Any] | None = None) -> list[list[
         if r.is_mask:
             room += f" (mask: {r.mask_values} sentinel values)"
         rows.append([item["record"], r.phase, r.label, _where(r), _short(r.out_dtype),
-                     _fmt(r.max_abs), room])
+                     magnitude(r.max_abs), room])
     return rows
 
 

@@ -86,9 +86,7 @@ class CallGuard:
 
     def __init__(self, gm: fx.GraphModule, recapture: Recapture | None, on_change: str,
                  watch: ModelWatch | None, first_call: bool = False) -> None:
-        if on_change not in ON_CHANGE:
-            raise ValueError(f"amprewrite.convert: on_change={on_change!r} is unknown; expected "
-                             f"one of {', '.join(map(repr, ON_CHANGE))}")
+        # NB: ``on_change`` is one of ON_CHANGE: convert checks it before any capture.
         self.recapture = recapture
         self.on_change = on_change
         self.watch = watch

@@ -11,6 +11,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from ..htmlreport.overview import speed_verdict
+
 __all__ = ["side_by_side", "error_vs_fp32", "measurement_lines", "speed_words"]
 
 _MIN_ROUNDS, _MAX_ROUNDS, _BUDGET_S = 20, 200, 1.0
@@ -86,8 +88,10 @@ def measurement_lines(m: dict[str, Any]) -> list[str]:
 
 
 def speed_words(speed: float) -> str:
-    """``"1.52x faster"`` / ``"0.74x, slower"``: a speed ratio (above 1 = faster) in words;
-    within 3% either way, ``"as fast"`` (the rounds' spread on a quiet machine)."""
-    if abs(speed - 1) < 0.03:
+    """``"1.52x torch.autocast's speed, faster"`` / ``"1.02x, as fast as torch.autocast"``: a
+    speed ratio (above 1 = faster) in words, judged as the HTML report judges it
+    (:func:`amprewrite.htmlreport.overview.speed_verdict`)."""
+    verdict = speed_verdict(speed)
+    if verdict == "as fast":
         return f"{speed:.2f}x, as fast as torch.autocast"
-    return f"{speed:.2f}x torch.autocast's speed, {'faster' if speed > 1 else 'slower'}"
+    return f"{speed:.2f}x torch.autocast's speed, {verdict}"

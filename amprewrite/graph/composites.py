@@ -41,8 +41,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.proxy import GraphAppendingTracer
 
 from ..policy.opkey import op_key
+from .fake import concrete_meta
 
-__all__ = ["is_composite", "one_level", "python_body"]
+__all__ = ["is_composite", "has_composite_kernel", "one_level", "python_body"]
 
 _CIA = torch._C.DispatchKey.CompositeImplicitAutograd
 
@@ -52,7 +53,7 @@ def is_composite(node: fx.Node) -> bool:
     CompositeImplicitAutograd kernel, or a Python function of torch (``F.normalize``,
     ``torch.functional.norm``), which reaches ATen only through the ops it calls."""
     if isinstance(node.target, torch._ops.OpOverload):
-        return _has_composite_kernel(node.target)
+        return has_composite_kernel(node.target)
     if _torch_python_function(node):
         return True
     packet = getattr(torch.ops.aten, op_key(node), None)
@@ -60,14 +61,14 @@ def is_composite(node: fx.Node) -> bool:
         return False
     for name in packet.overloads():
         try:
-            if _has_composite_kernel(getattr(packet, name)):
+            if has_composite_kernel(getattr(packet, name)):
                 return True
         except RuntimeError:  # a TorchScript-only overload (aten::add.t): not dispatchable
             continue
     return False
 
 
-def _has_composite_kernel(op: torch._ops.OpOverload) -> bool:
+def has_composite_kernel(op: torch._ops.OpOverload) -> bool:
     """A C++ composite kernel: what autocast falls through to. NB: not
     ``op.has_kernel_for_dispatch_key``, which also counts Python decompositions registered
     for tracing (``native_batch_norm`` has one), which autocast never runs."""
@@ -103,12 +104,10 @@ def one_level(node: fx.Node, concrete: bool = False, symbolic: bool = False,
         wide = functools.reduce(torch.promote_types, floating) if floating else None
         with mode:
             vals = [v.to(wide) if v.is_floating_point() else v for v in vals]
-    tracing = "real"
+    tracing = "symbolic" if symbolic else "real"
     if concrete or symbolic:
-        vals = [torch.empty([s if isinstance(s, int) else s.node.hint for s in v.shape],
-                            dtype=v.dtype, device="meta") for v in vals]
+        vals = [concrete_meta(v) for v in vals]
         mode = contextlib.nullcontext()
-        tracing = "symbolic" if symbolic else "real"
 
     def call(*xs: Any) -> Any:
         env = dict(zip(inputs, xs))

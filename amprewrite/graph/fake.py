@@ -11,7 +11,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import map_aggregate
 
-__all__ = ["fake_run", "fake_state", "graph_fake_mode", "val_of", "same_val"]
+__all__ = ["fake_run", "fake_state", "graph_fake_mode", "val_of", "same_val", "concrete_meta"]
 
 
 def fake_state(module: torch.nn.Module, mode: Any) -> contextlib.AbstractContextManager:
@@ -68,7 +68,7 @@ def fake_run(gm: fx.GraphModule, node: fx.Node) -> Any:
         recorded = node.meta.get("val")
         if node.op == "call_module" or not _tensors(recorded):
             raise
-        meta_args, meta_kwargs = map_aggregate((args, kwargs), _concrete_meta)
+        meta_args, meta_kwargs = map_aggregate((args, kwargs), concrete_meta)
         out = (node.target(*meta_args, **meta_kwargs) if node.op == "call_function"
                else getattr(meta_args[0], node.target)(*meta_args[1:], **meta_kwargs))
         with ctx:
@@ -91,7 +91,7 @@ def graph_fake_mode(gm: fx.GraphModule) -> Any:
     return detect_fake_mode(torch.utils._pytree.tree_leaves(vals))
 
 
-def _concrete_meta(x: Any) -> Any:
+def concrete_meta(x: Any) -> Any:
     """A meta tensor like ``x`` with its size hints as concrete sizes (a symbolic size given
     as an argument: its hint)."""
     if isinstance(x, torch.SymInt):

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..audit.tables import magnitude
 from ..summary import short_dtype
 
 __all__ = ["Band", "band_of", "fate", "dtype_label", "magnitude", "number"]
@@ -52,11 +53,6 @@ def dtype_label(name: str | None) -> str:
     """An audit record's dtype name as the tables write it: ``"bfloat16"`` → ``"bf16"``."""
     dtype = getattr(torch, name, None) if name else None
     return short_dtype(dtype) if isinstance(dtype, torch.dtype) else name or "-"
-
-
-def magnitude(x: float | None) -> str:
-    """A measured |x| in three digits (``"-"`` for none)."""
-    return "-" if x is None else f"{x:.3g}"
 
 
 def number(x: float) -> str:

@@ -14,20 +14,35 @@ from .modules import TOP_LEVEL
 if TYPE_CHECKING:
     from ..audit.report import AuditReport
 
-__all__ = ["summary_table", "risk_table", "speed_words", "memory_words"]
+__all__ = ["summary_table", "risk_table", "speed_words", "speed_verdict", "AS_FAST_WITHIN",
+           "memory_words"]
 
 
 def _ratio(x: float) -> str:
     return f"{x:.2f}".rstrip("0").rstrip(".")
 
 
+AS_FAST_WITHIN = 0.03
+"""A speed ratio this close to 1 either way reads "as fast": the spread of interleaved rounds
+on a quiet machine. The demo's line and the page say the same."""
+
+
+def speed_verdict(speedup: float) -> str:
+    """``"faster"``, ``"slower"`` or ``"as fast"``: torch.autocast's time over ours (above 1:
+    faster, as in every table of the project), with :data:`AS_FAST_WITHIN`."""
+    if abs(speedup - 1) < AS_FAST_WITHIN:
+        return "as fast"
+    return "faster" if speedup > 1 else "slower"
+
+
 def speed_words(converted_ms: float, autocast_ms: float) -> str:
-    """``"1.3x faster than"`` / ``"1.29x slower than"`` (torch.autocast, above 1 = faster,
-    as in every table of the project); within 1%: ``"as fast as"``."""
+    """``"1.3x faster than"`` / ``"1.29x slower than"`` / ``"as fast as"`` (torch.autocast:
+    :func:`speed_verdict`)."""
     speedup = autocast_ms / converted_ms
-    if abs(speedup - 1) < 0.01:
+    verdict = speed_verdict(speedup)
+    if verdict == "as fast":
         return "as fast as"
-    return f"{_ratio(speedup)}x faster than" if speedup > 1 else \
+    return f"{_ratio(speedup)}x faster than" if verdict == "faster" else \
         f"{_ratio(1 / speedup)}x slower than"
 
 
@@ -85,7 +100,8 @@ def summary_table(facts: Sequence[dict[str, Any]], low: str, casts: dict[str, in
         t, b, e = (vs_autocast[k] for k in ("forward_ms", "step_bytes", "max_abs_error"))
         rows.append(_row("speed", speed_words(t["converted"], t["autocast"]),
                          f"(forward {t['converted']:.2f} ms vs {t['autocast']:.2f} ms)",
-                         good=t["converted"] <= t["autocast"] * 1.01, vs=True))
+                         good=speed_verdict(t["autocast"] / t["converted"]) != "slower",
+                         vs=True))
         rows.append(_row("memory", memory_words(b["converted"], b["autocast"]),
                          f"(training step {_kib(b['converted'])} vs {_kib(b['autocast'])})",
                          good=b["converted"] <= b["autocast"] * 1.005, vs=True))

@@ -41,6 +41,7 @@ from ..capture.converted import is_converted
 from ..convert import convert
 from ..policy.policy import Policy
 from ..training.master_weights import MasterWeights
+from ..training.optimizers import held_tensors
 
 __all__ = ["AmpPrecision", "AmpFabricPrecision"]
 
@@ -78,6 +79,11 @@ class AmpPrecision(_MixedPrecision):
     def __init__(self, policy: Policy | None = None, *, opt_level: str = "O1",
                  dtype: torch.dtype | None = None, device: str | None = None,
                  scaler: torch.amp.GradScaler | None = None) -> None:
+        if opt_level != "O1" and policy is not None and policy != Policy():
+            raise ValueError(
+                f"amprewrite's Lightning plugin: a policy was given with opt_level="
+                f"{opt_level!r}; the per-op policy is what opt_level='O1' applies. Drop "
+                "policy=..., or use opt_level='O1'.")
         policy, low, device = _settings(policy, dtype, device)
         super().__init__(_precision_name(low), device, scaler)
         self.policy, self.low, self.opt_level = policy, low, opt_level
@@ -89,15 +95,12 @@ class AmpPrecision(_MixedPrecision):
         for name, child in list(module.named_children()):
             if is_converted(child) or next(child.parameters(), None) is None:
                 continue
-            setattr(module, name, convert(child, capture="export", policy=self._policy(),
-                                          dtype=self._dtype(), opt_level=self.opt_level))
+            # NB: the dtype the precision name was chosen for (an explicit dtype= wins over
+            # the policy's, as in convert); O2 takes no policy (checked in __init__).
+            policy = self.policy if self.opt_level == "O1" else None
+            setattr(module, name, convert(child, capture="export", policy=policy,
+                                          dtype=self.low, opt_level=self.opt_level))
         return module
-
-    def _policy(self) -> Policy | None:
-        return self.policy if self.opt_level == "O1" else None
-
-    def _dtype(self) -> torch.dtype | None:
-        return None if self.opt_level == "O1" and self.policy.dtype is not None else self.low
 
     def forward_context(self) -> AbstractContextManager:
         return nullcontext()  # the casts are in the converted graphs
@@ -116,8 +119,7 @@ class AmpPrecision(_MixedPrecision):
             if not is_converted(child):
                 continue
             mine = {id(p) for p in child.parameters()}
-            holding = [o for o in optimizers
-                       if any(id(p) in mine for g in o.param_groups for p in g["params"])]
+            holding = [o for o in optimizers if any(id(p) in mine for p in held_tensors([o]))]
             if holding:
                 MasterWeights(child, holding)
         self._bound = True
@@ -137,8 +139,7 @@ class AmpFabricPrecision(_FabricMixedPrecision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         if is_converted(module):
             return module
-        return convert(module, capture="export", policy=self.policy,
-                       dtype=None if self.policy.dtype is not None else self.low)
+        return convert(module, capture="export", policy=self.policy, dtype=self.low)
 
     def forward_context(self) -> AbstractContextManager:
         return nullcontext()

@@ -62,6 +62,7 @@ from ..policy.opkey import is_inplace, op_key, overload_key
 from ..policy.policy import Policy
 from ..policy.tables import OpCategory
 from .op_nodes import takes_decision
+from .propagation import mirrored_autocast_at
 
 __all__ = ["DecomposeCompositesPass"]
 
@@ -157,12 +158,9 @@ class DecomposeCompositesPass(PassBase):
         """``torch.autocast`` as the preset mirrors it, where ``node``'s floating inputs mix
         dtypes on the preset's device: the pieces of its split are then run under it to learn
         their dtypes (a listed piece casts its inputs, as the passes after this one will)."""
-        vals = [a.meta.get("val") for a in node.all_input_nodes]
-        floating = [v for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point()]
-        devices = {v.device.type for v in floating}
-        if len({v.dtype for v in floating}) < 2 or len(devices) != 1:
-            return None
-        return self.policy.mirrored_autocast(devices.pop())
+        dtypes = {v.dtype for v in (a.meta.get("val") for a in node.all_input_nodes)
+                  if isinstance(v, torch.Tensor) and v.is_floating_point()}
+        return mirrored_autocast_at(self.policy, node) if len(dtypes) > 1 else None
 
     def _candidate(self, node: fx.Node) -> bool:
         if node.op not in ("call_function", "call_method") or is_inplace(node):
@@ -268,23 +266,6 @@ def _decided(node: fx.Node) -> bool:
     return not takes_decision(node) or decision(node) is not None
 
 
-def _signature(node: fx.Node) -> Any:
-    """What the decomposition of ``node``'s op can depend on: the op, its non-tensor
-    arguments, and the dtype, rank, device and autograd flag of each tensor among them (not
-    the sizes: decompositions of one op that reach a listed op at some sizes only are not
-    known to exist)."""
-    def describe(a: Any) -> Any:
-        if isinstance(a, fx.Node):
-            val = a.meta.get("val")
-            return (val.dtype, val.dim(), val.device.type, val.requires_grad) \
-                if isinstance(val, torch.Tensor) else a
-        return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype)) else repr(a)
-
-    args = fx.node.map_aggregate(node.args, describe)
-    kwargs = fx.node.map_aggregate(node.kwargs, describe)
-    return node.target, repr(args), repr(sorted(kwargs.items(), key=str))
-
-
 def _tensor_vals(node: fx.Node) -> list[torch.Tensor]:
     """The tensors ``node`` reads and makes (their fake values)."""
     out = node.meta.get("val")
@@ -311,7 +292,10 @@ def _bakes_sizes(node: fx.Node, sub: fx.GraphModule) -> bool:
 
 
 def _signature(node: fx.Node) -> tuple:
-    """``node``'s op and arguments, each tensor as its dtype, rank, device and autograd flag."""
+    """What the decomposition of ``node``'s op can depend on: the op, its arguments, each
+    tensor as its dtype, rank, device and autograd flag (not its sizes: decompositions of one
+    op that reach a listed op at some sizes only are not known to exist), and its autocast
+    region."""
     def like(a: Any) -> Any:
         val = a.meta.get("val") if isinstance(a, fx.Node) else a
         if isinstance(val, torch.Tensor):

@@ -61,6 +61,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from ..capture.facts import LIFTED_CONSTANTS
+from ..graph.composites import has_composite_kernel
 
 __all__ = ["FoldConstantsPass", "MAX_FOLDED_BYTES"]
 
@@ -123,7 +124,7 @@ def _unannotated_composite(op: torch._ops.OpOverload) -> bool:
     """A composite op without alias annotations, which may still return views of its inputs
     (``meshgrid``'s outputs are views, its schema says ``-> Tensor[]``)."""
     schema = op._schema
-    return (torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+    return (has_composite_kernel(op)
             and all(a.alias_info is None for a in schema.arguments)
             and all(r.alias_info is None for r in schema.returns))
 

@@ -49,7 +49,7 @@ from ..runtime.attention import multi_head_attention
 from ..runtime.functions import fp32_if_eligible, guarded_cast, guarded_match, guarded_promote
 from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
 from ..runtime.weight_table import gathered_cast_dtype, is_fetch, read_name
-from .propagation import run_failure, traced_dtype_may_differ
+from .propagation import mirrored_autocast_at, run_failure, traced_dtype_may_differ
 
 __all__ = ["InsertCastsPass"]
 
@@ -134,9 +134,7 @@ class InsertCastsPass(PassBase):
         try:
             return fake_run(self.gm, node)
         except Exception:
-            devices = {v.device.type for v in (a.meta.get("val") for a in node.all_input_nodes)
-                       if isinstance(v, torch.Tensor)}
-            autocast = self.policy.mirrored_autocast(*devices) if len(devices) == 1 else None
+            autocast = mirrored_autocast_at(self.policy, node)
             if pending_split(node) is None or autocast is None:
                 raise
             with autocast:

@@ -43,7 +43,9 @@ def _phases(policy: Policy, dtype: torch.dtype) -> tuple[list, list, list]:
 
 
 def amp_passes(policy: Policy, dtype: torch.dtype) -> list:
-    """The graph-to-graph steps of a conversion, in order (each is idempotent)."""
+    """The graph-to-graph steps of a conversion, in order, each idempotent, with one round
+    of the passes that decide dtypes (:func:`run_passes` repeats it while a composite waits
+    to be split)."""
     before, rounds, after = _phases(policy, dtype)
     return before + rounds + after
 
@@ -62,15 +64,17 @@ def run_passes(gm: fx.GraphModule, policy: Policy, dtype: torch.dtype, *,
     report = _report(gm)
     before, rounds, after = _phases(policy, dtype)
     _run(before + rounds, gm)
+    pending = _pending(gm)
     for _ in range(_MAX_ROUNDS):
-        if not _pending(gm):
+        if not pending:
             break
         _run(rounds, gm)
-    if _pending(gm):
+        pending = _pending(gm)
+    if pending:
         raise AmpRewriteError(
             "amprewrite: composites still wait to be split after "
             f"{_MAX_ROUNDS} rounds of the passes: "
-            + ", ".join(n.format_node() for n in _pending(gm))
+            + ", ".join(n.format_node() for n in pending)
             + ". Please report this model; Policy().override(ops={...}) on these ops "
             "keeps them whole meanwhile.")
     _run(after, gm)

@@ -7,15 +7,15 @@ import torch
 import torch.fx as fx
 
 from ..graph.meta import PIECES_KEY, decision
+from ..graph.composites import has_composite_kernel
 from ..graph.queries import input_dtypes
 from ..policy.opkey import op_key
 from ..policy.policy import Policy
 from ..policy.tables import CPU_TABLE, CUDA_TABLE
 
-__all__ = ["traced_dtype_may_differ", "run_failure"]
+__all__ = ["traced_dtype_may_differ", "run_failure", "mirrored_autocast_at"]
 
 _AUTOCAST_LISTED = frozenset(CPU_TABLE) | frozenset(CUDA_TABLE)
-_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 
 
 def traced_dtype_may_differ(node: fx.Node) -> bool:
@@ -35,9 +35,17 @@ def traced_dtype_may_differ(node: fx.Node) -> bool:
     if pieces is not None:
         return not pieces.isdisjoint(_AUTOCAST_LISTED)
     try:
-        return target.has_kernel_for_dispatch_key(_COMPOSITE)
+        return has_composite_kernel(target)
     except RuntimeError:  # a TorchScript-only overload (aten::size.default): not dispatchable
         return True
+
+
+def mirrored_autocast_at(policy: Policy, node: fx.Node) -> torch.autocast | None:
+    """The ``torch.autocast`` ``policy`` mirrors (:meth:`Policy.mirrored_autocast`) on the one
+    device of ``node``'s floating inputs; None where it mirrors none there."""
+    devices = {v.device.type for v in (a.meta.get("val") for a in node.all_input_nodes)
+               if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    return policy.mirrored_autocast(devices.pop()) if len(devices) == 1 else None
 
 
 def run_failure(node: fx.Node, exc: Exception, policy: Policy, dtype: torch.dtype) -> str:

@@ -318,8 +318,7 @@ class Policy:
         where the preset is ``"cpu"`` or ``"cuda"`` and so is ``device_type``; else None.
         A composite op is run under it to learn the dtype autocast gives it while it waits to
         be split (its pieces cast, the op whole may refuse its inputs' mixed dtypes)."""
-        if self.preset != device_type or device_type not in ("cpu", "cuda") or \
-                self.dtype is None:
+        if self.preset != device_type or self.dtype is None:
             return None
         return torch.autocast(device_type, dtype=self.dtype)
 

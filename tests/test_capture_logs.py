@@ -104,3 +104,21 @@ def test_a_failed_conversion_says_it_in_one_error_not_in_torchs_tracebacks(
     with pytest.raises(AmpRewriteError, match="masked_scatter"):
         amprewrite.convert(VectorWrite(), (torch.randn(3, 4), torch.randn(4)), policy=policy)
     assert records.messages == []
+
+
+def test_a_size_one_dimension_is_not_reported_in_torchs_words(
+        records: Records, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An example batch of one: torch.export specializes it and logs "Dim.AUTO was specified
+    along with a sample input with hint = 1", which the user did not write; the converted
+    module's own error names the captured shapes when other sizes come."""
+    export_logger = logging.getLogger("torch._export.non_strict_utils")
+    seen = Records()
+    monkeypatch.setattr(export_logger, "level", logging.NOTSET)
+    export_logger.addHandler(seen)
+    try:
+        gm = amprewrite.convert(nn.Sequential(nn.Linear(4, 4)), (torch.randn(1, 4),))
+    finally:
+        export_logger.removeHandler(seen)
+    assert not [m for m in seen.messages if "specialized" in m]
+    with pytest.raises(AmpRewriteError, match=r"captured for float32 of shape \(1, 4\)"):
+        gm(torch.randn(3, 4))

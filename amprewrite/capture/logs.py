@@ -3,7 +3,8 @@
 While ``torch.export`` traces with dynamic dimensions, torch's shape reasoning logs what it
 could not do, pages of it: ``symbolic_shapes.py: Failed to reduce inequalities`` with sympy's
 tracebacks at WARNING, and fake tensors log every meta kernel that rejects its inputs at
-ERROR (a dtype the passes then fix, a symbolic size they then make concrete). None of it is
+ERROR (a dtype the passes then fix, a symbolic size they then make concrete), and export
+reports each dimension of size 1 it specialized in terms of its own ``Dim.AUTO``. None of it is
 the user's to act on: a capture that fails raises amprewrite's own error, and a fallback
 (static shapes, fp32 tracing) warns in amprewrite's words.
 
@@ -28,6 +29,7 @@ CAPTURE_LOGGERS = (
     "torch.fx.experimental.symbolic_shapes",
     "torch.fx.experimental.recording",
     "torch._subclasses.fake_tensor",
+    "torch._export.non_strict_utils",  # "dimension ... specialized; Dim.AUTO was specified"
 )
 """torch's loggers that report its internal reasoning during a capture."""
 

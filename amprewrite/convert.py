@@ -12,7 +12,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .capture.converted import CONVERTED_KEY, MODEL_KEY, capture_converted, is_converted
-from .capture.export import Regime, capture_export, dynamic_shapes
+from .capture.export import DynamicDims, Regime, capture_export, dynamic_shapes
 from .capture.first_call import placeholder_module
 from .capture.modes import (
     MODE_KEY,
@@ -28,14 +28,16 @@ from .capture.modes import (
     share_root_state,
     share_state,
 )
+from .capture.isolation import CAPTURE_LOCK, outside_modes
 from .capture.logs import quiet_capture_logs
 from .capture.persistence import match_persistence
-from .capture.reads import Reads, note_leaf_modules, recording_reads, restore_classes
+from .capture.reads import (Reads, note_leaf_modules, recording_reads, restore_classes,
+                            restore_writes)
 from .capture.state import preserved_global_state
 from .capture.variants import GUARD_ATTR, ON_CHANGE, STATE_KEY, CallGuard
 from .capture.symbolic import capture_symbolic, propagate_meta
 from .errors import AmpRewriteError
-from .capture.calling import finish
+from .capture.calling import adopt_signature, finish
 from .graph.inputs import record_inputs
 from .graph.meta import META_KEY
 from .graph.queries import module_paths
@@ -172,6 +174,8 @@ def convert(
     gm = recapture.capture(example_inputs, example_kwargs)
     gm.__dict__[GUARD_ATTR] = CallGuard(gm, None if is_converted(model) else recapture,
                                         on_change, recapture.watch(gm))
+    if not is_converted(model):
+        adopt_signature(gm, model)
     return gm
 
 
@@ -184,6 +188,7 @@ def _placeholder(model: nn.Module, policy: Policy, low: torch.dtype, opt_level: 
         meta[OPT_LEVEL_KEY] = OptLevel(opt_level, None if opt_level == "O0" else low)
     gm = finish(placeholder_module(model, meta, o2=opt_level == "O2"))
     gm.__dict__[GUARD_ATTR] = CallGuard(gm, recapture, on_change, None, first_call=True)
+    adopt_signature(gm, model)
     return gm
 
 
@@ -202,22 +207,24 @@ class _Recapture:
         self.policy, self.low, self.capture_path = policy, low, capture
         self.opt_level, self.calibration = opt_level, calibration
 
-    def __call__(self, gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]
-                 ) -> fx.GraphModule:
+    def __call__(self, gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any],
+                 varying: DynamicDims = frozenset()) -> fx.GraphModule:
         call_args, call_kwargs = (args, kwargs or None) if self.has_inputs else (None, None)
         with in_mode(self.model, gm.training):
-            return self.capture(call_args, call_kwargs, root=gm)
+            return self.capture(call_args, call_kwargs, root=gm, varying=varying)
 
     def capture(self, args: tuple | None, kwargs: dict[str, Any] | None,
-                root: fx.GraphModule | None = None) -> fx.GraphModule:
+                root: fx.GraphModule | None = None,
+                varying: DynamicDims = frozenset()) -> fx.GraphModule:
         """The model converted as it is now, in the mode it is in, finished (its calls and
         copies those of a converted module), holding the model's own tensor dicts. ``root``:
         the converted module a capture for a new state shares its root tensors with."""
         model = self.model
-        with preserved_global_state(), quiet_capture_logs():
+        with CAPTURE_LOCK.writing(), outside_modes(), preserved_global_state(), \
+                quiet_capture_logs():
             core = _capture_and_rewrite(model, args, kwargs, self.policy, self.low,
                                         self.capture_path, self.opt_level, self.calibration,
-                                        root=root)
+                                        root=root, varying=varying)
             if self.opt_level != "O3":  # O3 runs on its own copy of the model: nothing shared
                 share_tensor_dicts(core, model)
                 relink_modes(core)  # the weight tables read the shared dicts
@@ -247,7 +254,10 @@ class _ModePair:
     module, the code it was captured as, and the names both graphs give node and module
     overrides."""
 
-    def __init__(self, root: fx.GraphModule | None = None) -> None:
+    def __init__(self, root: fx.GraphModule | None = None,
+                 varying: DynamicDims = frozenset()) -> None:
+        self.varying = varying
+        """Dimensions both captures make dynamic (:func:`.capture.export.dynamic_shapes`)."""
         self.main: fx.GraphModule | None = None
         self.main_code = ""
         self.nodes: set[str] = set()
@@ -259,19 +269,20 @@ class _ModePair:
 def _capture_and_rewrite(model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None,
                          policy: Policy, low: torch.dtype, capture: str, opt_level: str,
                          calibration: list[CalibrationInput] | None = None,
-                         root: fx.GraphModule | None = None) -> fx.GraphModule:
+                         root: fx.GraphModule | None = None,
+                         varying: DynamicDims = frozenset()) -> fx.GraphModule:
     """The graph of the mode ``model`` is in; the other mode is captured when the module is
     first switched to it (see :mod:`.capture.modes`), or now where an override names nothing
     in the first mode's capture (it may name something in the other's). ``root``: the
     converted module whose root tensors a capture for a new state shares."""
     if opt_level == "O3" and not is_converted(model):
         model = low_precision_twin(model, low)  # O3 owns low-precision copies of everything
-    pair = _ModePair(root)
+    pair = _ModePair(root, varying)
     main = _capture_one(model, args, kwargs, policy, low, capture, opt_level, calibration, pair)
     assert main is not None  # the first mode is never the same code as another
     training = not main.meta[MODE_KEY]
     other: _OtherMode | None = _OtherMode(model, args, kwargs, policy, low, capture, opt_level,
-                                          calibration, pair.main_code)
+                                          calibration, pair.main_code, varying)
     if is_converted(model) and model.__dict__.get(MODES_ATTR, (None, None))[training] is None:
         other = None  # one graph serves both modes of the converted input
     attach_modes(main, other)
@@ -290,17 +301,19 @@ class _OtherMode(PendingMode):
 
     def __init__(self, model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None,
                  policy: Policy, low: torch.dtype, capture: str, opt_level: str,
-                 calibration: list[CalibrationInput] | None, main_code: str) -> None:
-        self.model, self.args, self.kwargs = model, args, kwargs
+                 calibration: list[CalibrationInput] | None, main_code: str,
+                 varying: DynamicDims = frozenset()) -> None:
+        self.model, self.args, self.kwargs, self.varying = model, args, kwargs, varying
         self.policy, self.low, self.capture_path = policy, low, capture
         self.opt_level, self.calibration, self.main_code = opt_level, calibration, main_code
 
     def capture(self, main: fx.GraphModule, training: bool,
                 pair: _ModePair | None = None) -> fx.GraphModule | None:
         if pair is None:
-            pair = _ModePair()
+            pair = _ModePair(varying=self.varying)
             pair.main, pair.main_code = main, self.main_code
-        with preserved_global_state(), quiet_capture_logs():
+        with CAPTURE_LOCK.writing(), outside_modes(), preserved_global_state(), \
+                quiet_capture_logs():
             other = self._capture(main, training, pair)
         if other is None:
             return None
@@ -363,11 +376,11 @@ def _export_and_rewrite(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
     with the example's static shapes."""
     regime = _regime(model, args, kwargs, policy, low, opt_level)
     faithful = opt_level != "O0"
-    if dynamic_shapes(model, args, kwargs) is None:  # nothing dynamic: one static export
+    if dynamic_shapes(model, args, kwargs, pair.varying) is None:  # one static export
         gm = _recorded_export(model, args, kwargs, regime, False, faithful)
         return _rewrite(gm, model, policy, low, opt_level, calibration, pair)
     try:
-        gm = _recorded_export(model, args, kwargs, regime, True, faithful)
+        gm = _recorded_export(model, args, kwargs, regime, True, faithful, pair.varying)
     except AmpRewriteError as exc:
         dynamic_error: Exception = exc
     else:
@@ -391,9 +404,11 @@ def _export_and_rewrite(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
 
 
 def _recorded_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
-                     regime: Regime | None, dynamic: bool, faithful: bool) -> fx.GraphModule:
+                     regime: Regime | None, dynamic: bool, faithful: bool,
+                     varying: DynamicDims = frozenset()) -> fx.GraphModule:
     return _recorded(model, lambda: capture_export(model, args, kwargs, regime=regime,
-                                                   dynamic=dynamic, faithful=faithful))
+                                                   dynamic=dynamic, faithful=faithful,
+                                                   varying=varying))
 
 
 def _recorded(model: nn.Module, capture: Callable[[], fx.GraphModule]) -> fx.GraphModule:
@@ -401,8 +416,19 @@ def _recorded(model: nn.Module, capture: Callable[[], fx.GraphModule]) -> fx.Gra
     (:mod:`.capture.reads`) as its ``meta[STATE_KEY]``. The layers a symbolic capture keeps
     whole read their state at each call: all of it counts as read."""
     with recording_reads(model) as reads:
-        gm = capture()
+        try:
+            gm = capture()
+        finally:
+            written = restore_writes(reads, model)
     restore_classes(gm)
+    if written:
+        raise AmpRewriteError(
+            f"the forward of {type(model).__name__} sets Python attributes of its modules "
+            f"({'; '.join(written[:4])}), and a converted graph cannot repeat such a write at "
+            "each call: the attribute would stay as it is while the outputs of eager calls "
+            "follow it. Pass that value as an input (forward(x, step)), keep the counter "
+            "outside the forward, or use amprewrite.compile(model), which replays the write "
+            "after each compiled graph. The model was left as it was.")
     _check_seen(reads, model)
     note_leaf_modules(reads, model, gm)
     gm.meta[STATE_KEY] = StateSnapshot(reads, model)

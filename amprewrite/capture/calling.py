@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import linecache
 import sys
 import traceback
@@ -52,12 +53,13 @@ from ..graph.codegen import recompile_with_bindings
 from ..graph.inputs import input_mismatch
 from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
 from .guards import GUARDS_ATTR, InputGuards
+from .isolation import CAPTURE_LOCK
 from .modes import FORWARD_ATTR, MODES_ATTR, relink_modes, switch_graph
 from .symbolic import _AmpTracer
 from .first_call import NOT_CAPTURED_YET_KEY
-from .variants import GUARD_ATTR
+from .variants import GUARD_ATTR, RefitFailed
 
-__all__ = ["finish", "failure_context", "generated_code"]
+__all__ = ["finish", "failure_context", "generated_code", "adopt_signature", "model_of"]
 
 
 def finish(gm: fx.GraphModule) -> fx.GraphModule:
@@ -76,7 +78,8 @@ def _finish_one(gm: fx.GraphModule) -> fx.GraphModule:
     gm.__dict__.setdefault(MODES_ATTR, (None, None))
     cls = type(gm)
     gm.__dict__[FORWARD_ATTR] = cls.forward
-    cls.forward = functools.wraps(cls.forward)(_held_graph_forward)
+    cls.forward = _held_graph_forward(cls.forward, gm.__dict__.get(SIGNATURE_ATTR))
+    cls.__getattr__ = _getattr_or_model
     cls.__call__ = _converted_call
     cls.__deepcopy__ = _finished_copy
     cls.train = _train
@@ -84,11 +87,55 @@ def _finish_one(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _held_graph_forward(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+def _held_graph_forward(generated: Any, signature: inspect.Signature | None) -> Any:
     """The class's ``forward``: the generated forward of the graph the module holds now (a
-    mode switch or a new state exchanges graphs, not classes). ``functools.wraps`` gives it
-    the generated signature, which ``inspect.signature(gm.forward)`` (HF ``Trainer``) reads."""
-    return self.__dict__[FORWARD_ATTR](self, *args, **kwargs)
+    mode switch or a new state exchanges graphs, not classes). Its signature, which
+    ``inspect.signature(gm.forward)`` reads (HF ``Trainer`` drops the columns it does not
+    name), is the model's forward's (:func:`adopt_signature`), else the generated one's."""
+    @functools.wraps(generated)
+    def forward(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        return self.__dict__[FORWARD_ATTR](self, *args, **kwargs)
+
+    if signature is not None:
+        forward.__signature__ = signature  # type: ignore[attr-defined]
+    return forward
+
+
+SIGNATURE_ATTR = "_amp_signature"
+"""``gm.__dict__[SIGNATURE_ATTR]``: the signature of the model's ``forward`` (with ``self``)."""
+
+
+def adopt_signature(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Give ``gm``'s ``forward`` the signature of ``model``'s."""
+    try:
+        signature = inspect.signature(type(model).forward)
+    except (TypeError, ValueError):
+        return
+    gm.__dict__[SIGNATURE_ATTR] = signature
+    type(gm).forward.__signature__ = signature
+
+
+def model_of(gm: nn.Module) -> nn.Module | None:
+    """The model a converted module was converted from (and captures again), if it has one."""
+    recapture = getattr(gm.__dict__.get(GUARD_ATTR), "recapture", None)
+    return getattr(recapture, "model", None)
+
+
+def _getattr_or_model(self: fx.GraphModule, name: str) -> Any:
+    """An attribute the converted module does not hold is the model's (``config``,
+    ``loss_type``, ``main_input_name``, ``generation_config``...); a method of the model is
+    bound to the converted module, so that one calling ``self(...)`` (HF ``generate``) runs
+    the converted forward, not the model's."""
+    try:
+        return nn.Module.__getattr__(self, name)
+    except AttributeError:
+        model = model_of(self) if not name.startswith(("__", "_amp")) else None
+        if model is None or model is self:
+            raise
+    value = getattr(model, name)
+    if isinstance(value, types.MethodType) and value.__self__ is model:
+        return types.MethodType(value.__func__, self)
+    return value
 
 
 def generated_code(module: nn.Module) -> types.CodeType:
@@ -123,6 +170,8 @@ def _finished_copy(self: fx.GraphModule, memo: dict[int, Any]) -> fx.GraphModule
                                                 memo)
     if GUARD_ATTR in self.__dict__:
         copied.__dict__[GUARD_ATTR] = copy.deepcopy(self.__dict__[GUARD_ATTR], memo)
+    if SIGNATURE_ATTR in self.__dict__:
+        copied.__dict__[SIGNATURE_ATTR] = self.__dict__[SIGNATURE_ATTR]
     relink_modes(copied)
     return _finish_one(copied)
 
@@ -141,12 +190,34 @@ def _reduce_converted(self: fx.GraphModule) -> Any:
     guards = self._modules.get(GUARDS_ATTR)
     if guards is not None and not isinstance(guards, InputGuards):
         raise TypeError(_UNPICKLABLE)
-    rebuild, (body, import_block) = fx.GraphModule.__reduce__(self)
+    rebuild, (body, import_block) = _reduced_unchanged(self)
     body["_tracer_cls"], body["_tracer_extras"] = _AmpTracer, {}  # NB: module docstring
     body.pop(MODES_ATTR, None)  # the other mode's graph, or what its capture needs: not saved
     body.pop(FORWARD_ATTR, None)  # generated code: the load generates it again
     body.pop(GUARD_ATTR, None)  # other states' graphs and the model: not saved either
     return _rebuild_in_saved_mode, (rebuild, body, import_block, self.training)
+
+
+_CLASS_CODE = ("forward", "__call__", "_wrapped_call")
+_INSTANCE_CODE = ("_code", "_lineno_map", "_prologue_start")
+
+
+def _reduced_unchanged(self: fx.GraphModule) -> Any:
+    """torch.fx's reduction of ``self``, which recompiles ``self`` to get its code (and so
+    would put back the plain generated forward and call): what it replaces is put back, so
+    that saving a converted module leaves it as it was."""
+    cls = type(self)
+    held_cls = {k: cls.__dict__[k] for k in _CLASS_CODE if k in cls.__dict__}
+    held = {k: self.__dict__[k] for k in _INSTANCE_CODE if k in self.__dict__}
+    try:
+        return fx.GraphModule.__reduce__(self)
+    finally:
+        for key in _CLASS_CODE:
+            if key in held_cls:
+                setattr(cls, key, held_cls[key])
+            elif key in cls.__dict__:
+                delattr(cls, key)
+        self.__dict__.update(held)
 
 
 _SAVED_MODE_ATTR = "_amp_saved_mode"
@@ -176,20 +247,38 @@ def _converted_call(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
     # NB: is_compiling first: Dynamo folds it to True and never sees the guard; what it traces
     # is the mode's graph (None: it holds this mode's graph; an int index: Dynamo on torch
     # 2.11 cannot index a tuple with a bool).
-    guard = None if torch.compiler.is_compiling() else self.__dict__.get(GUARD_ATTR)
+    compiling = torch.compiler.is_compiling()
+    guard = None if compiling else self.__dict__.get(GUARD_ATTR)
     if guard is None and NOT_CAPTURED_YET_KEY in self.meta:
         _first_capture_outside(self, args, kwargs)  # compiled before any eager call
     elif guard is None:
         if self._amp_by_mode[1 if self.training else 0] is not None:
             switch_graph(self, self.training)
     elif not guard.holds(self):
-        guard.follow(self, args, kwargs)
+        with CAPTURE_LOCK.writing():  # NB: another thread may have followed meanwhile
+            if not guard.holds(self):
+                guard.follow(self, args, kwargs)
+    if compiling:
+        return _run(self, None, args, kwargs)
+    # A capture by another thread waits for this call's graph to finish, and this call for
+    # that capture (which swaps graphs and lends the model's tensors to torch.export).
+    CAPTURE_LOCK.acquire_read()
+    try:
+        return _run(self, guard, args, kwargs)
+    finally:
+        CAPTURE_LOCK.release_read()
+
+
+def _run(self: fx.GraphModule, guard: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
     try:
         return nn.Module.__call__(self, *args, **kwargs)
     except Exception as exc:
         mismatch = input_mismatch(self, type(self).__name__, args, kwargs)
-        if mismatch is not None and guard is not None and guard.refit(self, args, kwargs):
-            return nn.Module.__call__(self, *args, **kwargs)  # captured for these inputs
+        try:
+            if mismatch is not None and guard is not None and _refit(self, guard, args, kwargs):
+                return nn.Module.__call__(self, *args, **kwargs)  # captured for these inputs
+        except RefitFailed as failed:
+            mismatch = f"{mismatch}\nCapturing the model again for these inputs failed: {failed}"
         if mismatch is not None:
             raise AmpRewriteError(mismatch) from exc
         context = failure_context(exc)
@@ -198,11 +287,19 @@ def _converted_call(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
         raise
 
 
+def _refit(self: fx.GraphModule, guard: Any, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """The guard's :meth:`~.variants.CallGuard.refit`, as a capture: alone, after the calls
+    of other threads (this thread's read is the only one it waits past)."""
+    with CAPTURE_LOCK.writing():
+        return guard.refit(self, args, kwargs)
+
+
 @torch.compiler.disable
 def _first_capture_outside(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -> None:
     """The first capture of a module captured at its first call, when that call is compiled:
     run eagerly (a graph break, once), then the compiler traces the captured graph."""
-    gm.__dict__[GUARD_ATTR].follow(gm, args, kwargs)
+    with CAPTURE_LOCK.writing():
+        gm.__dict__[GUARD_ATTR].follow(gm, args, kwargs)
 
 
 def failure_context(exc: BaseException) -> str | None:

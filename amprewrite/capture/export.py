@@ -56,7 +56,8 @@ from .layerdrop import DecidedDraws
 from .facts import GRAD_KEY, LIFTED_CONSTANTS, REGION_KEY, TRACED_IN_FP32, Region
 from .guards import fast_input_guards
 
-__all__ = ["capture_export", "dynamic_dims", "dynamic_shapes", "Regime", "autocast_regime"]
+__all__ = ["capture_export", "dynamic_dims", "dynamic_shapes", "DynamicDims", "Regime",
+           "autocast_regime"]
 
 Regime = tuple[str, torch.dtype]
 """``(device_type, low dtype)`` of the ``torch.autocast`` a model is traced under."""
@@ -64,7 +65,7 @@ Regime = tuple[str, torch.dtype]
 
 def capture_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, *,
                    regime: Regime | None, dynamic: bool = True,
-                   faithful: bool = True) -> fx.GraphModule:
+                   faithful: bool = True, varying: DynamicDims = frozenset()) -> fx.GraphModule:
     """Capture ``model`` with ``torch.export`` (non-strict).
 
     Args:
@@ -75,8 +76,9 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
             module accepts other batch sizes and lengths; False keeps the example's shapes.
         faithful: record dtype conversions and device moves as eager runs them (see
             :class:`_FaithfulConversions`); off for O0, which keeps the graph as exported.
+        varying: dimensions to make dynamic besides the default ones (:func:`dynamic_shapes`).
     """
-    shapes = dynamic_shapes(model, args, kwargs) if dynamic else None
+    shapes = dynamic_shapes(model, args, kwargs, varying) if dynamic else None
     try:
         ep, attention = _export(model, args, kwargs, shapes, regime, faithful)
     except Exception as exc:
@@ -253,35 +255,58 @@ def dynamic_dims(x: torch.Tensor) -> range:
     return range(x.dim() if x.dim() <= 3 or not x.is_floating_point() else 0)
 
 
-def dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None) -> Any:
-    """torch.export's ``dynamic_shapes`` for the example inputs (:func:`dynamic_dims`), keyed
-    by the forward's parameter names, so that a ``*args`` forward (a PEFT model's) takes them
-    too; None where no dimension is dynamic. Keyword inputs keep static shapes: torch.export's
-    input check of a ``**kwargs`` forward can name inputs by paths its own check function does
-    not define (``NameError: name 'L'`` at the first call, torch 2.14)."""
+DynamicDims = frozenset  # of (input name, dimension), named as graph/inputs.py names inputs
+"""Dimensions to capture symbolic beyond :func:`dynamic_dims`: those a call was seen to vary
+(automatic dynamic sizes, :mod:`amprewrite.capture.variants`)."""
+
+
+def dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
+                   varying: DynamicDims = frozenset()) -> Any:
+    """torch.export's ``dynamic_shapes`` for the example inputs, keyed by the forward's
+    parameter names, so that a ``*args`` forward (a PEFT model's) takes them too; None where
+    no dimension is dynamic.
+
+    Positional inputs get :func:`dynamic_dims`; keyword inputs keep the example's sizes at the
+    first capture (they are often a whole batch of a trainer, masks included, and a static
+    export of them is faster), and every input gets the dimensions in ``varying``: the ones a
+    call was seen to change. NB: an input bound to a ``**kwargs`` parameter keeps its sizes:
+    torch.export's input check of such a forward can name inputs by paths its own check
+    function does not define (``NameError: name 'L'`` at the first call, torch 2.14)."""
     auto = torch.export.Dim.AUTO
     dynamic = False
 
-    def spec(x: Any) -> Any:
+    def spec(x: Any, name: str, default: bool) -> Any:
         nonlocal dynamic
         if isinstance(x, torch.Tensor):
-            dims = dynamic_dims(x)
+            dims = {d for n, d in varying if n == name and d < x.dim()}
+            if default:
+                dims.update(dynamic_dims(x))
             dynamic = dynamic or len(dims) > 0
-            return {i: auto for i in dims}
+            return {i: auto for i in sorted(dims)}
         if isinstance(x, (list, tuple)):
-            return type(x)(spec(v) for v in x)
+            return type(x)(spec(v, f"{name}[{i}]", default) for i, v in enumerate(x))
         if isinstance(x, dict):
-            return {k: spec(v) for k, v in x.items()}
+            return {k: spec(v, f"{name}[{k!r}]", default) for k, v in x.items()}
         return None
 
-    if kwargs:
+    if kwargs and not varying:
         return None
+    kwargs = kwargs or {}
     try:
-        bound = inspect.signature(model.forward).bind(*args)
+        signature = inspect.signature(model.forward)
+        bound = signature.bind(*args, **kwargs)
     except (TypeError, ValueError):
-        shapes: Any = tuple(spec(a) for a in args)
+        if kwargs:
+            return None
+        shapes: Any = tuple(spec(a, f"args[{i}]", True) for i, a in enumerate(args))
     else:
-        shapes = {name: spec(value) for name, value in bound.arguments.items()}
+        positional = signature.bind_partial(*args).arguments.keys()
+        shapes = {}
+        for name, value in bound.arguments.items():
+            if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                shapes[name] = {k: None for k in value}
+            else:
+                shapes[name] = spec(value, name, name in positional and not kwargs)
     return shapes if dynamic else None
 
 

@@ -77,6 +77,13 @@ class InputGuards(nn.Module):
                     "again with example inputs of the dtypes you will pass.")
         return self._check(*args)
 
+    # NB: called as a function, not through nn.Module.__call__: bookkeeping of the capture,
+    # not a layer of the model, so no module hook (a global one included) sees it.
+    def __call__(self, *args: Any) -> None:
+        if fx._symbolic_trace.is_fx_symbolic_tracing():  # a tracer records the call (a pickle's load)
+            return nn.Module.__call__(self, *args)
+        return self.forward(*args)
+
     def __reduce__(self) -> Any:
         return (_rebuilt_guards, (marshal.dumps(self._check.__code__), sys.version_info[:2],
                                   self._floating))

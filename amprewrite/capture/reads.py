@@ -42,7 +42,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-__all__ = ["Reads", "recording_reads", "is_config", "restore_classes", "note_leaf_modules"]
+__all__ = ["Reads", "recording_reads", "is_config", "restore_classes", "note_leaf_modules",
+           "restore_writes"]
 
 _MODULE_INTERNALS = frozenset(dir(nn.Module)) | frozenset(nn.Module().__dict__) | {"__dict__"}
 """Names that are torch's bookkeeping, not the model's state (``training``: see above)."""
@@ -72,6 +73,9 @@ class Reads:
         self.tensors: dict[tuple[int, str, str], Slot] = {}
         """Parameter and buffer slots read."""
         self.configs: dict[int, object] = {}
+        self.written: dict[tuple[int, str], tuple[nn.Module, str, Any, Any]] = {}
+        """Attributes the forward set on the model's modules: ``(module, name, value
+        before, value after)`` (see :func:`restore_writes`)."""
 
     def blind(self, model: nn.Module) -> bool:
         """Whether the recording saw nothing of a model that has state to read: a sign that
@@ -146,6 +150,41 @@ def _note_getattr(module: nn.Module, name: str, value: Any, found: bool) -> None
             reads.missing(module, table, name)
 
 
+_MISSING = object()
+
+
+def _note_setattr(module: nn.Module, name: str, value: Any) -> None:
+    reads = _active[-1]
+    if id(module) not in reads.owners or name in _MODULE_INTERNALS or name.startswith("__"):
+        return
+    own = object.__getattribute__(module, "__dict__")
+    if any(name in own.get(t, ()) for t in ("_parameters", "_buffers", "_modules")):
+        return  # a tensor or submodule: torch.export records buffer updates itself
+    key = (id(module), name)
+    before = reads.written[key][2] if key in reads.written else own.get(name, _MISSING)
+    reads.written[key] = (module, name, before, value)
+
+
+def restore_writes(reads: Reads, model: nn.Module) -> list[str]:
+    """Put back what the captured forward set on the model's modules (a capture leaves the
+    model as it was); return the Python values it changed, named by path
+    (``steps: 0 -> 1``): a graph cannot repeat such a write at each call."""
+    path = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    changed = []
+    for module, name, before, after in reads.written.values():
+        own = object.__getattribute__(module, "__dict__")
+        if before is _MISSING:
+            own.pop(name, None)
+        else:
+            own[name] = before
+        if isinstance(after, (bool, int, float, str)) and (
+                before is _MISSING or type(before) is not type(after) or before != after):
+            where = f"{path.get(id(module), '?')}.{name}".lstrip(".")
+            changed.append(f"{where}: {'unset' if before is _MISSING else repr(before)} -> "
+                           f"{after!r}")
+    return changed
+
+
 def _is_data_descriptor(cls: type, name: str) -> bool:
     for klass in cls.__mro__:
         if name in klass.__dict__:
@@ -173,7 +212,13 @@ def _recording_class(cls: type) -> type:
             _note_getattribute(self, name, value)
         return value
 
+    def __setattr__(self: nn.Module, name: str, value: Any) -> None:
+        if _active:
+            _note_setattr(self, name, value)
+        cls.__setattr__(self, name, value)
+
     namespace: dict[str, Any] = {"__slots__": (), "__getattribute__": __getattribute__,
+                                 "__setattr__": __setattr__,
                                  "__module__": cls.__module__, "__qualname__": cls.__qualname__}
     if hasattr(cls, "__getattr__"):
         def __getattr__(self: nn.Module, name: str) -> Any:

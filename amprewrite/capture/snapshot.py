@@ -108,6 +108,11 @@ class StateSnapshot:
         self._frozen_walked = [dict(m._modules) for m, _ in self._walked]
         self._empty_slots = [named(slot) for slot in reads.tensors.values()
                              if _holder(named(slot)).get(slot[2]) is None]
+        self._full_slots = [named(slot) for slot in reads.tensors.values()
+                            if _holder(named(slot)).get(slot[2]) is not None]
+        self._slot_classes = [type(item.owner) for item in self._full_slots]
+        """The class of each module a tensor was read from: a parametrization (weight_norm,
+        spectral_norm, ``register_parametrization``) swaps it, and moves the tensor."""
         self._configs: list[tuple[Any, str]] = []
         self._frozen_configs: list[dict[str, Any]] = []
         seen: set[int] = set()
@@ -148,9 +153,17 @@ class StateSnapshot:
             return False
 
     def slots_hold(self) -> bool:
-        """Whether the tensor slots the capture found empty still are."""
+        """Whether the tensor slots the capture found empty still are, and the ones it found
+        filled still are, on modules of the same class (checked only after some tensor was
+        registered somewhere: :func:`amprewrite.runtime.model_watch.changes`)."""
         return not any(map(operator.is_not, map(dict.get, self._slot_dicts, self._slot_keys),
-                           [None] * len(self._slot_keys)))
+                           [None] * len(self._slot_keys))) and not self._moved_slots()
+
+    def _moved_slots(self) -> list[str]:
+        """The tensor slots read filled that are now empty (pruning moves ``weight`` to
+        ``weight_orig``) or whose module changed class (a parametrization)."""
+        return [item.name for item, cls in zip(self._full_slots, self._slot_classes)
+                if type(item.owner) is not cls or _holder(item).get(item.key) is None]
 
     def changes(self, limit: int = 8) -> list[str]:
         """What differs from the snapshot, one line each, at most ``limit``."""
@@ -179,6 +192,8 @@ class StateSnapshot:
         for item in self._empty_slots:
             if _holder(item).get(item.key) is not None:
                 out.append(f"{item.name}: was None, now a tensor")
+        out.extend(f"{name}: no longer a plain tensor of its module (a parametrization or "
+                   "pruning)" for name in self._moved_slots())
         return out[:limit] + ([f"... and {len(out) - limit} more"] if len(out) > limit else [])
 
     def union(self, other: StateSnapshot) -> StateSnapshot:
@@ -236,7 +251,8 @@ def _owner_key(entry: tuple[Any, str]) -> int:
 
 
 _PARTS = (("_values", "_frozen_values"), ("_absent", "_absent"), ("_walked", "_frozen_walked"),
-          ("_configs", "_frozen_configs"), ("_empty_slots", "_empty_slots"))
+          ("_configs", "_frozen_configs"), ("_empty_slots", "_empty_slots"),
+          ("_full_slots", "_slot_classes"))
 """Each kind of item and its frozen values (the item list itself where nothing is frozen)."""
 
 _GONE = type("_Gone", (), {"__repr__": lambda self: "<deleted>"})()

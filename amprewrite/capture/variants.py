@@ -44,14 +44,16 @@ import torch
 import torch.fx as fx
 
 from ..errors import AmpRewriteError
-from ..graph.inputs import input_mismatch
+from ..errors import RecaptureWarning
+from ..graph.inputs import (changed_dims, input_mismatch, is_dynamic, other_arguments,
+                            scalar_changes)
 from ..runtime.low_copies import LOW_COPIES_ATTR
-from ..runtime.model_watch import ModelWatch, changes
+from ..runtime.model_watch import ModelWatch, changes, report_global_hooks
 from ..runtime.weight_cache import CACHE_ATTR
 from .snapshot import StateSnapshot
 from .modes import MODES_ATTR, exchange_graphs, switch_graph
 
-__all__ = ["CallGuard", "GUARD_ATTR", "STATE_KEY", "MAX_STATES", "ON_CHANGE", "swap_cores",
+__all__ = ["CallGuard", "RefitFailed", "GUARD_ATTR", "STATE_KEY", "MAX_STATES", "ON_CHANGE", "swap_cores",
            "state_of"]
 
 GUARD_ATTR = "_amp_guard"
@@ -97,6 +99,10 @@ class CallGuard:
         self.first_call = first_call
         """Captured at the first call, from its inputs: a call whose inputs do not fit the
         graph is captured again for them (:meth:`refit`)."""
+        self.varying: frozenset[tuple[str, int]] = frozenset()
+        """Input dimensions made dynamic after a call changed their size (:meth:`refit`)."""
+        self.fixed_dims: frozenset[tuple[str, int]] = frozenset()
+        """Input dimensions the model could not take symbolic: one graph per size."""
 
     # -- the hot path ------------------------------------------------------------------------
     def holds(self, gm: fx.GraphModule) -> bool:
@@ -126,6 +132,7 @@ class CallGuard:
             return
         slots_changed = False
         if self.stamp != changes():
+            report_global_hooks()
             if self.watch is not None:
                 self.watch.check()
             self.stamp = changes()
@@ -154,11 +161,22 @@ class CallGuard:
         self.snapshot = gm.meta.get(STATE_KEY)
 
     def refit(self, gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -> bool:
-        """For a module captured at its first call, after a call that failed on inputs its
-        graph does not fit (another dtype, rank or fixed size): hold a graph captured for
-        such inputs, captured now if none was (bounded, with a warning). Returns whether the
-        call should be tried again."""
-        if not self.first_call or self.recapture is None:
+        """After a call that failed on inputs its graph does not fit: hold a graph that fits
+        them, captured now if none was. Returns whether the call should be tried again.
+
+        * **Another size** in a dimension the graph fixed (a sequence length, a partial last
+          batch): captured once more with that dimension symbolic (automatic dynamic sizes,
+          as ``torch.compile`` does), which later sizes reuse; where the model cannot take a
+          symbolic size there, one graph per size, said once.
+        * **Another Python scalar** (``temperature=0.5``), which the graph holds as a
+          constant: a new capture, as for a change of state (``on_change``).
+        * **Other arguments** (a keyword the capture did not have, or one it had missing):
+          a new capture for them.
+        * **Another dtype or rank**: a new capture for a module captured at its first call;
+          for one converted from example inputs, the call raises (they name the kind of
+          inputs the module takes).
+        """
+        if self.recapture is None or not getattr(self.recapture, "has_inputs", False):
             return False
 
         def fits(core: fx.GraphModule) -> bool:
@@ -166,16 +184,65 @@ class CallGuard:
             return state is not None and state.holds() and \
                 input_mismatch(core, "", args, kwargs) is None
 
-        if not self._hold_kept(gm, fits):
-            message = input_mismatch(gm, type(gm).__name__, args, kwargs) or ""
-            what = message.splitlines()[1].strip() if "\n" in message else "other inputs"
-            self._refuse(gm, [what], state=False)
-            self._capture_new(
-                gm, args, kwargs,
-                f"this {type(gm).__name__} was called with inputs its graph was not captured "
-                f"for ({what}), so it was captured again for them ({self._kept()}).")
+        if self._hold_kept(gm, fits):
+            self.snapshot = gm.meta.get(STATE_KEY)
+            return True
+        dims = changed_dims(gm, args, kwargs)
+        scalars = scalar_changes(gm, args, kwargs)
+        if dims is None and not scalars and not self.first_call and \
+                not other_arguments(gm, args, kwargs):
+            return False  # another kind of tensor: the mismatch error names it
+        message = input_mismatch(gm, type(gm).__name__, args, kwargs) or ""
+        what = "; ".join(line.strip() for line in message.splitlines()[1:]
+                         if line.startswith("  ")) or "other inputs"
+        wanted = frozenset(dims or ()) - self.fixed_dims
+        sizes_only = dims is not None and not scalars and bool(dims)
+        if sizes_only:  # never refused: a size the model specialises evicts the oldest graph
+            self._refuse(gm, [what], state=False, bound=False)
+            if len(self.cores) + 1 >= MAX_STATES:
+                self.cores.pop(0)
+        else:
+            self._refuse(gm, [what], state=bool(scalars))
+        try:
+            if wanted:
+                self._capture_dynamic(gm, args, kwargs, wanted, what)
+            else:
+                self._capture_new(
+                    gm, args, kwargs,
+                    f"this {type(gm).__name__} was called with inputs its graph was not "
+                    f"captured for ({what}), so it was captured again for them "
+                    f"({self._kept()}).")
+        except RecaptureWarning:
+            raise  # the user made recaptures errors
+        except Exception as exc:
+            raise RefitFailed(exc) from exc
         self.snapshot = gm.meta.get(STATE_KEY)
         return True
+
+    def _capture_dynamic(self, gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any],
+                         wanted: frozenset[tuple[str, int]], what: str) -> None:
+        """Capture with the ``wanted`` dimensions symbolic; the new graph replaces the one
+        ``gm`` holds (it takes every input that one took)."""
+        assert self.recapture is not None
+        varying = self.varying | wanted
+        core = self.recapture(gm, args, kwargs, varying)  # type: ignore[call-arg]
+        swap_cores(gm, core)
+        dynamic = {key for key in varying if is_dynamic(gm, *key)}
+        self.varying = frozenset(dynamic)
+        fixed = wanted - dynamic
+        self.fixed_dims |= fixed
+        named = ", ".join(f"{n} dimension {d}" for n, d in sorted(wanted & dynamic))
+        if named:
+            report(f"this {type(gm).__name__} was called with another size ({what}), so it "
+                   f"was captured again with {named} dynamic; later sizes there reuse that "
+                   "graph.")
+        if fixed:
+            report(f"{type(gm).__name__} cannot take a symbolic size in "
+                   + ", ".join(f"{n} dimension {d}" for n, d in sorted(fixed))
+                   + f" (torch.export specialised it, or failed on it); the module keeps one "
+                   f"graph per size there, the last {MAX_STATES}, and captures again for "
+                   "others. Pad those inputs to a few fixed sizes.")
+            self.cores.append(core)  # the graph of the earlier size stays right for it
 
     def _hold_kept(self, gm: fx.GraphModule, fits: Callable[[fx.GraphModule], bool]) -> bool:
         """Make ``gm`` hold the first kept core that ``fits``; whether there was one."""
@@ -194,11 +261,12 @@ class CallGuard:
         """Capture the model as it is now with the call's inputs, hold it, keep the core
         ``gm`` held, and warn."""
         assert self.recapture is not None  # _refuse raised otherwise
-        core = self.recapture(gm, args, kwargs)
-        warnings.warn("amprewrite: " + warning, stacklevel=5)
+        core = self.recapture(gm, args, kwargs, self.varying)  # type: ignore[call-arg]
+        report(warning)
         self.cores.append(swap_cores(gm, core))
 
-    def _refuse(self, gm: fx.GraphModule, what: list[str], state: bool = True) -> None:
+    def _refuse(self, gm: fx.GraphModule, what: list[str], state: bool = True,
+                bound: bool = True) -> None:
         """Raise where no new capture may be made: the module cannot capture, the user asked
         for errors (``on_change="raise"``, for changes of ``state`` only), or the bound."""
         changed = "; ".join(what)
@@ -216,7 +284,7 @@ class CallGuard:
                 "refused (convert(..., on_change='raise')). Put the model back as it was, "
                 "convert it again (amprewrite.convert) after the change, or convert with "
                 "on_change='recapture' to capture each new state at its first call.")
-        if len(self.cores) + 1 >= MAX_STATES:
+        if bound and len(self.cores) + 1 >= MAX_STATES:
             raise AmpRewriteError(
                 f"the model this converted {name} was captured from has changed again "
                 f"({changed}) after {MAX_STATES} states were captured. A model whose state "
@@ -234,6 +302,22 @@ class CallGuard:
         return (_no_guard, ())
 
 
+def report(message: str) -> None:
+    """The one channel recaptures are reported through (:class:`RecaptureWarning`), pointing
+    at the caller's line."""
+    warnings.warn("amprewrite: " + message, RecaptureWarning, stacklevel=_user_level())
+
+
+def _user_level() -> int:
+    """The stack level of the first frame outside this package and torch (the user's call)."""
+    import sys
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (f"{__package__.split('.')[0]}/" in frame.f_code.co_filename
+                                 or "/torch/" in frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _no_guard() -> None:
     return None
 
@@ -241,6 +325,15 @@ def _no_guard() -> None:
 def _refuse_while_tracing(gm: fx.GraphModule) -> None:
     if torch.compiler.is_compiling() or fx._symbolic_trace.is_fx_symbolic_tracing():
         raise AmpRewriteError(gm.meta.get("amprewrite_not_captured_yet", "not captured yet"))
+
+
+class RefitFailed(Exception):
+    """The model could not be captured for a call's inputs (most often: the model itself
+    does not take them); the call raises what does not fit, with this as a note."""
+
+    def __init__(self, cause: BaseException) -> None:
+        first = str(cause).splitlines()[0] if str(cause) else ""
+        super().__init__(f"{type(cause).__name__}: {first}")
 
 
 class _NotCaptured:

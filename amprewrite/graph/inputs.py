@@ -21,22 +21,32 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-__all__ = ["INPUTS_KEY", "InputSpec", "record_inputs", "input_mismatch"]
+__all__ = ["INPUTS_KEY", "InputSpec", "record_inputs", "input_mismatch", "changed_dims",
+           "input_names", "scalar_changes", "is_dynamic", "other_arguments"]
 
 INPUTS_KEY = "amprewrite_inputs"
 """``gm.meta[INPUTS_KEY]``: the :class:`InputSpec` of each tensor the module was captured for."""
+
+
+_SCALARS = (bool, int, float, str)
+"""Python values torch.export bakes into the graph (``temperature == 1.0`` in its check)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class InputSpec:
     name: str
     """The argument as the model's ``forward`` names it (``x``, ``past[0]``, ``batch['ids']``)."""
-    dtype: torch.dtype
+    dtype: torch.dtype | None
+    """None for a Python scalar (:attr:`value`)."""
     shape: tuple[int | None, ...] | None
     """Sizes the capture fixed; None for a dynamic dimension; None for all when the capture
     fixes none (the symbolic tracer's graph takes any size)."""
+    value: Any = None
+    """A Python scalar argument's value, which the graph holds as a constant."""
 
     def describe(self) -> str:
+        if self.dtype is None:
+            return repr(self.value)
         if self.shape is None:
             return _dtype_name(self.dtype)
         dims = ", ".join("any" if s is None else str(s) for s in self.shape)
@@ -47,19 +57,30 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _named_tensors(model: nn.Module, args: tuple, kwargs: dict[str, Any]
-                   ) -> list[tuple[str, torch.Tensor]]:
+def input_names(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments by the names the model's ``forward`` gives them (``args[i]`` and
+    the keywords where they do not bind)."""
     try:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+        return dict(inspect.signature(model.forward).bind(*args, **kwargs).arguments)
     except (TypeError, ValueError):
-        bound = {**{f"args[{i}]": a for i, a in enumerate(args)}, **kwargs}
+        return {**{f"args[{i}]": a for i, a in enumerate(args)}, **kwargs}
+
+
+def _named_leaves(model: nn.Module, args: tuple, kwargs: dict[str, Any]
+                  ) -> list[tuple[str, Any]]:
+    """Every tensor and Python scalar of a call, named as in :class:`InputSpec`."""
     named = []
-    for name, value in bound.items():
+    for name, value in input_names(model, args, kwargs).items():
         leaves, _ = pytree.tree_flatten_with_path(value)
         for path, leaf in leaves:
-            if isinstance(leaf, torch.Tensor):
+            if isinstance(leaf, (torch.Tensor, *_SCALARS)):
                 named.append((name + pytree.keystr(path), leaf))
     return named
+
+
+def _named_tensors(model: nn.Module, args: tuple, kwargs: dict[str, Any]
+                   ) -> list[tuple[str, torch.Tensor]]:
+    return [(n, v) for n, v in _named_leaves(model, args, kwargs) if isinstance(v, torch.Tensor)]
 
 
 def _fixed_size(size: int | torch.SymInt) -> int | None:
@@ -74,7 +95,8 @@ def record_inputs(gm: fx.GraphModule, model: nn.Module, args: tuple,
                   kwargs: dict[str, Any] | None, *, sizes_fixed: bool) -> None:
     """Record on ``gm`` the tensors it was captured for. ``sizes_fixed``: the capture checks
     sizes (torch.export); a placeholder's symbolic size marks a dynamic dimension."""
-    named = _named_tensors(model, args, kwargs or {})
+    leaves = _named_leaves(model, args, kwargs or {})
+    named = [(n, v) for n, v in leaves if isinstance(v, torch.Tensor)]
     traced = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     traced = [v for v in traced if isinstance(v, torch.Tensor)]
     aligned = len(traced) == len(named)
@@ -85,11 +107,16 @@ def record_inputs(gm: fx.GraphModule, model: nn.Module, args: tuple,
             sizes = traced[i].shape if aligned else tensor.shape
             shape = tuple(map(_fixed_size, sizes))
         specs.append(InputSpec(name, tensor.dtype, shape))
+    if sizes_fixed:  # torch.export specialises on Python scalars; the symbolic tracer reads
+        # them at each call
+        specs += [InputSpec(n, None, None, v) for n, v in leaves if isinstance(v, _SCALARS)]
     gm.meta[INPUTS_KEY] = tuple(specs)
 
 
-def _mismatch(spec: InputSpec, got: torch.Tensor) -> bool:
-    if got.dtype != spec.dtype:
+def _mismatch(spec: InputSpec, got: Any) -> bool:
+    if spec.dtype is None:  # a scalar: NB type too, since True == 1 == 1.0
+        return type(got) is not type(spec.value) or got != spec.value
+    if not isinstance(got, torch.Tensor) or got.dtype != spec.dtype:
         return True
     if spec.shape is None:
         return False
@@ -97,7 +124,9 @@ def _mismatch(spec: InputSpec, got: torch.Tensor) -> bool:
         s is not None and s != g for s, g in zip(spec.shape, got.shape))
 
 
-def _called_with(spec: InputSpec, got: torch.Tensor) -> str:
+def _called_with(spec: InputSpec, got: Any) -> str:
+    if not isinstance(got, torch.Tensor):
+        return repr(got)
     shape = None if spec.shape is None else tuple(got.shape)
     return InputSpec(spec.name, got.dtype, shape).describe()
 
@@ -109,20 +138,86 @@ def input_mismatch(gm: nn.Module, model_name: str, args: tuple, kwargs: dict[str
     specs = getattr(gm, "meta", {}).get(INPUTS_KEY)
     if not specs:
         return None
-    try:
-        named = dict(_named_tensors(gm, args, kwargs))
-    except Exception:
+    named = _named_or_none(gm, args, kwargs)
+    if named is None:
         return None  # NB: never raise here: the caller is handling the model's own error
     lines = [f"  {spec.name}: captured for {spec.describe()}, called with "
              f"{_called_with(spec, named[spec.name])}"
              for spec in specs if spec.name in named and _mismatch(spec, named[spec.name])]
+    lines += [f"  {name}: {what}" for name, what in _other_arguments(specs, named)]
     if not lines:
         return None
     return (f"the converted {model_name} was called with inputs its capture does not fit:\n"
             + "\n".join(lines) + "\n"
-            "A converted module runs the graph captured from convert()'s example inputs. Call it "
-            "with inputs of those dtypes and sizes, or convert again with example inputs like the "
-            "ones you will pass. Positional example inputs make the dimensions the model lets "
-            "vary dynamic, except those of floating tensors of 4 or more dimensions (images, "
-            "video), whose sizes, batch included, are kept; keyword example inputs keep their "
-            "sizes. amprewrite.compile(model) follows any size.")
+            "A converted module follows new sizes by capturing again with the dimension "
+            "dynamic, and new Python scalars and arguments by capturing for them; other dtypes "
+            "or ranks than the example inputs' are not followed. Call it with inputs of the "
+            "example's dtypes and ranks, or convert again with example inputs like the ones "
+            "you will pass. amprewrite.compile(model) follows any input.")
+
+
+def _named_or_none(gm: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    try:
+        return dict(_named_leaves(gm, args, kwargs))
+    except Exception:
+        return None
+
+
+def changed_dims(gm: nn.Module, args: tuple, kwargs: dict[str, Any]) -> set[tuple[str, int]] | None:
+    """The ``(input name, dimension)`` pairs where a call's tensors differ in size from the
+    ones ``gm`` fixed, all else (dtypes, ranks, scalars) fitting; None where something other
+    than a size differs (a new capture for those inputs, not a dynamic dimension)."""
+    specs = getattr(gm, "meta", {}).get(INPUTS_KEY)
+    named = _named_or_none(gm, args, kwargs)
+    if not specs or named is None:
+        return None
+    dims: set[tuple[str, int]] = set()
+    for spec in specs:
+        got = named.get(spec.name)
+        if got is None:
+            continue
+        if spec.dtype is None or spec.shape is None or not isinstance(got, torch.Tensor):
+            if _mismatch(spec, got):
+                return None
+            continue
+        if got.dtype != spec.dtype or got.dim() != len(spec.shape):
+            return None
+        dims.update((spec.name, d) for d, (s, g) in enumerate(zip(spec.shape, got.shape))
+                    if s is not None and s != g)
+    return dims
+
+
+def _other_arguments(specs: tuple[InputSpec, ...], named: dict[str, Any]
+                     ) -> list[tuple[str, str]]:
+    """Arguments the capture had that the call lacks, and the reverse."""
+    captured = {spec.name for spec in specs}
+    out = [(spec.name, f"captured with {spec.describe()}, called without it")
+           for spec in specs if spec.name not in named]
+    out += [(name, f"not captured, called with {_called_with(InputSpec(name, None, None), v)}"
+             if not isinstance(v, torch.Tensor) else
+             f"not captured, called with {_dtype_name(v.dtype)} of shape {tuple(v.shape)}")
+            for name, v in named.items() if name not in captured]
+    return out
+
+
+def other_arguments(gm: nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether a call passes arguments ``gm`` was not captured with, or lacks some it was."""
+    specs = getattr(gm, "meta", {}).get(INPUTS_KEY)
+    named = _named_or_none(gm, args, kwargs)
+    return bool(specs) and named is not None and bool(_other_arguments(specs, named))
+
+
+def scalar_changes(gm: nn.Module, args: tuple, kwargs: dict[str, Any]) -> list[str]:
+    """The Python scalar arguments of a call that differ from the values ``gm`` holds."""
+    specs = getattr(gm, "meta", {}).get(INPUTS_KEY) or ()
+    named = _named_or_none(gm, args, kwargs) or {}
+    return [spec.name for spec in specs
+            if spec.dtype is None and spec.name in named and _mismatch(spec, named[spec.name])]
+
+
+def is_dynamic(gm: nn.Module, name: str, dim: int) -> bool:
+    """Whether ``gm`` takes any size in dimension ``dim`` of its input ``name``."""
+    for spec in getattr(gm, "meta", {}).get(INPUTS_KEY) or ():
+        if spec.name == name and spec.dtype is not None:
+            return spec.shape is None or (dim < len(spec.shape) and spec.shape[dim] is None)
+    return False

@@ -35,7 +35,8 @@ from torch.nn.modules.module import (register_module_buffer_registration_hook,
                                      register_module_parameter_registration_hook)
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["ModelWatch", "WATCH_ATTR", "watch_model", "share_tensor_dicts", "changes"]
+__all__ = ["ModelWatch", "WATCH_ATTR", "watch_model", "share_tensor_dicts", "changes",
+           "report_global_hooks"]
 
 WATCH_ATTR = "_amp_model_watch"
 
@@ -220,3 +221,30 @@ def watch_model(gm: nn.Module, model: nn.Module) -> None:
     watch = ModelWatch(gm, model)
     if watch._slots:
         gm.__dict__[WATCH_ATTR] = watch
+
+
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                 "_global_backward_pre_hooks", "_global_backward_hooks")
+_warned_global: set[int] = set()
+
+
+def report_global_hooks() -> None:
+    """Warn once per global module hook (``register_module_forward_hook`` and the like): it
+    runs around the converted module's own call, but not around the model's submodules,
+    which its graph does not call."""
+    from torch.nn.modules import module as nn_module
+
+    for kind in _GLOBAL_HOOKS:
+        for hook_id in getattr(nn_module, kind, {}):
+            if hook_id in _warned_global:
+                continue
+            _warned_global.add(hook_id)
+            what = kind.removeprefix("_global_").removesuffix("s").replace("_", " ")
+            warnings.warn(
+                f"amprewrite: a global module {what} (torch.nn.modules.module.register_module_"
+                f"{kind.removeprefix('_global_').removesuffix('s')}) is registered: it runs "
+                "around the converted module's call, but not around the model's submodules, "
+                "whose code the converted graph holds inline. Register the hook on the "
+                "submodules you need before amprewrite.convert (the capture records what it "
+                "computes), or audit with amprewrite.audit(), which sees every op.",
+                stacklevel=5)

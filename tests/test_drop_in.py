@@ -1,0 +1,327 @@
+"""A converted module as a drop-in for the model in the loops people run: inputs whose sizes
+change at every call (automatic dynamic sizes), Python scalars, the model's signature and
+attributes, threads, modes active at the call, saving, parametrizations, hooks, and a
+forward that writes its own state. Each case is compared with eager ``torch.autocast``
+under the CPU preset, bitwise."""
+
+from __future__ import annotations
+
+import io
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.nn.utils.prune
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import amprewrite
+from amprewrite import AmpRewriteError, RecaptureWarning
+
+PRESET = amprewrite.Policy.autocast("cpu", torch.bfloat16)
+
+
+class Tokens(nn.Module):
+    """A token model called with keywords, as a trainer calls it (``model(**batch)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.lin = nn.Linear(16, 50)
+        self.loss_type = "ForCausalLM"
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.lin(self.emb(input_ids))
+        if attention_mask is not None:
+            h = h * attention_mask[..., None]
+        logits = h.float()
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    def helper(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """A method of the model that calls its forward (as HF ``generate`` does)."""
+        return self(input_ids=input_ids)
+
+
+def _batch(length: int, rows: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 100 + length)
+    ids = torch.randint(0, 50, (rows, length), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones(rows, length), "labels": ids}
+
+
+def _eager(model: nn.Module, *args: object, **kwargs: object) -> torch.Tensor:
+    with torch.autocast("cpu", torch.bfloat16):
+        return model(*args, **kwargs)
+
+
+def _recaptures(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, RecaptureWarning)]
+
+
+@pytest.mark.parametrize("route", ["keywords", "first_call"])
+def test_twenty_lengths_train_bitwise_with_one_recapture(route: str) -> None:
+    """A padding collator's batches: 20 sequence lengths, the loss and every gradient bitwise
+    with autocast, and at most one recapture (the length made dynamic), never an error."""
+    torch.manual_seed(0)
+    model, twin = Tokens(), Tokens()
+    twin.load_state_dict(model.state_dict())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if route == "keywords":
+            gm = amprewrite.convert(model, (), example_kwargs=_batch(7), policy=PRESET)
+        else:
+            gm = amprewrite.convert(model, capture="export", policy=PRESET)
+        for step, length in enumerate([7, 5, 9] + list(range(10, 27))):
+            loss = gm(**_batch(length, seed=step))
+            ref = _eager(twin, **_batch(length, seed=step))
+            assert torch.equal(loss, ref), length
+            loss.backward()
+            ref.backward()
+            for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+                assert torch.equal(p.grad, q.grad), (length, name)
+            model.zero_grad()
+            twin.zero_grad()
+    recaptures = _recaptures(caught)
+    assert len(recaptures) == 1, recaptures
+    assert "input_ids dimension 1" in recaptures[0] and "dynamic" in recaptures[0]
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.bn(self.conv(x)).relu().mean((2, 3)))
+
+
+def test_a_partial_last_batch_of_images() -> None:
+    """Images keep their sizes at the first capture (fast); a DataLoader of 10 samples in
+    batches of 4 ends with a batch of 2, which makes the batch dimension dynamic once."""
+    torch.manual_seed(0)
+    model, twin = CNN().train(), CNN().train()
+    twin.load_state_dict(model.state_dict())
+    data = torch.utils.data.TensorDataset(torch.randn(10, 3, 8, 8))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    gm = amprewrite.convert(model, (torch.randn(4, 3, 8, 8),), policy=PRESET)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for epoch in range(2):
+            for (x,) in loader:
+                out, ref = gm(x), _eager(twin, x)
+                assert out.shape[0] == x.shape[0] and torch.equal(out, ref), epoch
+                out.float().sum().backward()
+                ref.float().sum().backward()
+    assert len(_recaptures(caught)) == 1
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert torch.equal(model.bn.running_mean, twin.bn.running_mean)
+
+
+class Temperature(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        return self.lin(x) / temperature
+
+
+def test_a_changed_python_scalar_is_captured_again() -> None:
+    model, x = Temperature(), torch.randn(2, 4)
+    gm = amprewrite.convert(model, (x, 1.0), policy=PRESET)
+    with pytest.warns(RecaptureWarning, match=r"temperature: captured for 1.0, called with 0.5"):
+        out = gm(x, 0.5)
+    assert torch.equal(out, _eager(model, x, 0.5))
+    assert torch.equal(gm(x, 1.0), _eager(model, x, 1.0))  # the first graph, kept
+
+
+def test_a_changed_python_scalar_raises_with_on_change_raise() -> None:
+    model, x = Temperature(), torch.randn(2, 4)
+    gm = amprewrite.convert(model, (x, 1.0), on_change="raise")
+    with pytest.raises(AmpRewriteError, match=r"temperature: captured for 1.0, called with 0.5"):
+        gm(x, 0.5)
+
+
+def test_a_recapture_can_be_made_an_error_through_its_warning() -> None:
+    model = Tokens()
+    gm = amprewrite.convert(model, (), example_kwargs=_batch(7))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecaptureWarning)
+        with pytest.raises(RecaptureWarning, match="dynamic"):
+            gm(**_batch(9))
+
+
+def test_the_module_is_a_view_of_the_model_signature_attributes_and_methods() -> None:
+    """What libraries inspect: ``inspect.signature(gm.forward)`` (Trainer drops the columns
+    it does not name), attributes (``loss_type``, ``config``); a method of the model runs the
+    converted forward."""
+    import inspect
+
+    model = Tokens()
+    for gm in (amprewrite.convert(model, capture="export", policy=PRESET),
+               amprewrite.convert(model, (), example_kwargs=_batch(7), policy=PRESET)):
+        assert inspect.signature(gm.forward) == inspect.signature(model.forward)
+        assert gm.loss_type == "ForCausalLM"
+        model.loss_type = "other"
+        assert gm.loss_type == "other"  # the model's, at every moment
+        model.loss_type = "ForCausalLM"
+        ids = _batch(7)["input_ids"]
+        out = gm.helper(ids)  # the model's method, calling the converted forward
+        assert torch.equal(out, _eager(model, input_ids=ids))
+        with pytest.raises(AttributeError, match="no_such_attribute"):
+            gm.no_such_attribute
+
+
+class Flagged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * (2.0 if self.scale else 3.0)
+
+
+def test_two_threads_calling_while_a_flag_flips_are_both_right_with_one_capture() -> None:
+    model, x = Flagged(), torch.randn(2, 4)
+    gm = amprewrite.convert(model, (x,), policy=PRESET)
+    model.scale = False
+    results: list[torch.Tensor] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def call() -> None:
+        try:
+            start.wait()
+            results.append(gm(x))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        threads = [threading.Thread(target=call) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    ref = _eager(model, x)
+    assert len(results) == 2 and all(torch.equal(r, ref) for r in results)
+    assert len(_recaptures(caught)) == 1
+    assert type(model.lin.weight) is nn.Parameter  # the model's tensors are real
+    assert torch.equal(model(x), F.linear(x, model.lin.weight, model.lin.bias) * 3.0)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fake = 0
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        self.fake += any(isinstance(t, FakeTensor) for t in leaves)
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_capture_at_the_call_runs_outside_the_callers_modes() -> None:
+    """The first call of a module captured then, and the first call after a change of state,
+    inside ``amprewrite.audit()`` or a user's dispatch mode: the capture runs outside them,
+    which see the call as eager shows it (no fake tensors), and return."""
+    model, x = Flagged(), torch.randn(2, 4)
+    gm = amprewrite.convert(model, capture="export", policy=PRESET)
+    with amprewrite.audit() as report:
+        out = gm(x)
+    assert torch.equal(out, _eager(model, x))
+    assert "addmm" in report.table()
+    model.scale = False
+    mode = _Ops()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RecaptureWarning)
+        with mode:
+            out = gm(x)
+    assert torch.equal(out, _eager(model, x))
+    assert mode.fake == 0 and any("addmm" in op for op in mode.ops)
+
+
+def test_saving_leaves_the_module_following_its_model() -> None:
+    model, x = Flagged().train(), torch.randn(2, 4)
+    model.drop = nn.Dropout(0.0)
+    gm = amprewrite.convert(model, (x,), policy=PRESET)
+    buffer = io.BytesIO()
+    torch.save(gm, buffer)
+    saved = _eager(model, x)
+    model.scale = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RecaptureWarning)
+        assert torch.equal(gm.eval()(x), _eager(model.eval(), x))
+        assert torch.equal(gm.train()(x), _eager(model.train(), x))
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert torch.equal(loaded(x), saved)  # the copy: the model as it was saved
+
+
+@pytest.mark.parametrize("change", ["weight_norm", "spectral_norm", "parametrization",
+                                    "prune"])
+def test_parametrizations_and_pruning_added_after_conversion_are_followed(change: str) -> None:
+    torch.manual_seed(0)
+    model, x = CNN().eval(), torch.randn(2, 3, 8, 8)
+    gm = amprewrite.convert(model, (x,), policy=PRESET)
+    if change == "weight_norm":
+        torch.nn.utils.parametrizations.weight_norm(model.fc)
+    elif change == "spectral_norm":
+        torch.nn.utils.parametrizations.spectral_norm(model.fc)
+    elif change == "parametrization":
+        class Half(nn.Module):
+            def forward(self, w: torch.Tensor) -> torch.Tensor:
+                return w * 0.5
+
+        torch.nn.utils.parametrize.register_parametrization(model.fc, "weight", Half())
+    else:
+        torch.nn.utils.prune.l1_unstructured(model.fc, "weight", amount=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = gm(x)
+    assert torch.equal(out, _eager(model, x))
+
+
+def test_a_global_module_hook_is_reported_and_sees_no_helper_of_ours() -> None:
+    model, x = CNN().eval(), torch.randn(2, 3, 8, 8)
+    gm = amprewrite.convert(model, (x,))
+    seen: list[str] = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: seen.append(type(module).__name__))
+    try:
+        with pytest.warns(UserWarning, match="global module forward hook"):
+            gm(x)
+    finally:
+        handle.remove()
+    assert seen == ["CNN"]
+
+
+class Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.steps = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        return self.lin(x) * min(1.0, self.steps / 10)
+
+
+def test_a_forward_that_writes_its_own_state_is_refused_and_the_model_left_as_it_was() -> None:
+    model = Counting()
+    with pytest.raises(AmpRewriteError, match=r"steps: 0 -> 1.*amprewrite.compile"):
+        amprewrite.convert(model, (torch.randn(2, 4),))
+    assert model.steps == 0 and type(model) is Counting

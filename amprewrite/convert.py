@@ -174,8 +174,6 @@ def convert(
     gm = recapture.capture(example_inputs, example_kwargs)
     gm.__dict__[GUARD_ATTR] = CallGuard(gm, None if is_converted(model) else recapture,
                                         on_change, recapture.watch(gm))
-    if not is_converted(model):
-        adopt_signature(gm, model)
     return gm
 
 

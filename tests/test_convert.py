@@ -417,9 +417,9 @@ def test_images_keep_their_sizes_and_sequences_stay_dynamic() -> None:
     gm = amprewrite.convert(_Pixels(), (pixels,))
     placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
     assert tuple(placeholder.meta["val"].shape) == (2, 3, 9, 9)
-    with pytest.raises(AmpRewriteError, match=r"x: captured for float32 of shape \(2, 3, 9, 9\), "
-                                              r"called with float32 of shape \(1, 3, 9, 9\)"):
-        gm(pixels[:1])
+    # another batch size makes the batch dynamic once (a partial last batch)
+    with pytest.warns(amprewrite.RecaptureWarning, match="x dimension 0"):
+        assert gm(pixels[:1]).shape[0] == 1
 
     ids, features = torch.randint(0, 10, (2, 5)), torch.randn(2, 5, 4)
     gm = amprewrite.convert(_Tokens(), (ids, features))

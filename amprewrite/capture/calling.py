@@ -59,7 +59,7 @@ from .symbolic import _AmpTracer
 from .first_call import NOT_CAPTURED_YET_KEY
 from .variants import GUARD_ATTR, RefitFailed
 
-__all__ = ["finish", "failure_context", "generated_code", "adopt_signature", "model_of"]
+__all__ = ["finish", "failure_context", "generated_code", "adopt_signature"]
 
 
 def finish(gm: fx.GraphModule) -> fx.GraphModule:
@@ -79,7 +79,6 @@ def _finish_one(gm: fx.GraphModule) -> fx.GraphModule:
     cls = type(gm)
     gm.__dict__[FORWARD_ATTR] = cls.forward
     cls.forward = _held_graph_forward(cls.forward, gm.__dict__.get(SIGNATURE_ATTR))
-    cls.__getattr__ = _getattr_or_model
     cls.__call__ = _converted_call
     cls.__deepcopy__ = _finished_copy
     cls.train = _train
@@ -111,31 +110,10 @@ def adopt_signature(gm: fx.GraphModule, model: nn.Module) -> None:
         signature = inspect.signature(type(model).forward)
     except (TypeError, ValueError):
         return
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in signature.parameters.values()):
+        return  # ``forward(*args, **kwargs)`` (a PEFT model's): the capture's names say more
     gm.__dict__[SIGNATURE_ATTR] = signature
     type(gm).forward.__signature__ = signature
-
-
-def model_of(gm: nn.Module) -> nn.Module | None:
-    """The model a converted module was converted from (and captures again), if it has one."""
-    recapture = getattr(gm.__dict__.get(GUARD_ATTR), "recapture", None)
-    return getattr(recapture, "model", None)
-
-
-def _getattr_or_model(self: fx.GraphModule, name: str) -> Any:
-    """An attribute the converted module does not hold is the model's (``config``,
-    ``loss_type``, ``main_input_name``, ``generation_config``...); a method of the model is
-    bound to the converted module, so that one calling ``self(...)`` (HF ``generate``) runs
-    the converted forward, not the model's."""
-    try:
-        return nn.Module.__getattr__(self, name)
-    except AttributeError:
-        model = model_of(self) if not name.startswith(("__", "_amp")) else None
-        if model is None or model is self:
-            raise
-    value = getattr(model, name)
-    if isinstance(value, types.MethodType) and value.__self__ is model:
-        return types.MethodType(value.__func__, self)
-    return value
 
 
 def generated_code(module: nn.Module) -> types.CodeType:

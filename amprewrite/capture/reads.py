@@ -166,22 +166,20 @@ def _note_setattr(module: nn.Module, name: str, value: Any) -> None:
 
 
 def restore_writes(reads: Reads, model: nn.Module) -> list[str]:
-    """Put back what the captured forward set on the model's modules (a capture leaves the
-    model as it was); return the Python values it changed, named by path
+    """Put back what the captured forward changed on the model's modules (a capture leaves
+    the model as it was; an attribute it set where there was none is kept, as a first eager
+    call would leave it); return the Python values it changed, named by path
     (``steps: 0 -> 1``): a graph cannot repeat such a write at each call."""
     path = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     changed = []
     for module, name, before, after in reads.written.values():
-        own = object.__getattribute__(module, "__dict__")
         if before is _MISSING:
-            own.pop(name, None)
-        else:
-            own[name] = before
+            continue  # set once, on the first run (a library's "hooks installed" flag): kept
+        object.__getattribute__(module, "__dict__")[name] = before
         if isinstance(after, (bool, int, float, str)) and (
-                before is _MISSING or type(before) is not type(after) or before != after):
+                type(before) is not type(after) or before != after):
             where = f"{path.get(id(module), '?')}.{name}".lstrip(".")
-            changed.append(f"{where}: {'unset' if before is _MISSING else repr(before)} -> "
-                           f"{after!r}")
+            changed.append(f"{where}: {before!r} -> {after!r}")
     return changed
 
 

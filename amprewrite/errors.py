@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
-__all__ = ["AmpRewriteError", "RecaptureWarning"]
+import sys
+import warnings
+
+import torch
+
+__all__ = ["AmpRewriteError", "RecaptureWarning", "user_stacklevel", "report_recapture"]
+
+_OWN_DIRS = (__file__.rsplit("/", 1)[0] + "/", torch.__file__.rsplit("/", 1)[0] + "/")
+"""This package's files and torch's (whose wrappers some releases put around calls)."""
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised by the caller point at the innermost
+    frame outside amprewrite and torch: the user's line (``convert``, a call, ``train()``)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class AmpRewriteError(RuntimeError):
@@ -22,3 +39,9 @@ class RecaptureWarning(UserWarning):
     category=amprewrite.RecaptureWarning)`` silences them, ``"error"`` makes each one an
     exception (``convert(..., on_change="raise")`` refuses state changes outright).
     """
+
+
+def report_recapture(message: str) -> None:
+    """The one channel recaptures are reported through: a :class:`RecaptureWarning` pointing
+    at the user's line."""
+    warnings.warn("amprewrite: " + message, RecaptureWarning, stacklevel=user_stacklevel())

@@ -2,8 +2,9 @@
 its cost against the converted forward it guards, in µs, one torch thread.
 
 For each model: the check alone (``guard.holds(gm)``: the mode, the registration stamp and
-every attribute, submodule table and config the capture read), the whole converted forward in
-inference (``no_grad``, check included), and the check's share of it. Models: the launch-bound
+every attribute, submodule table and config the capture read), the capture lock each call
+takes as a reader (:mod:`amprewrite.capture.isolation`), the whole converted forward in
+inference (``no_grad``, check and lock included), and their share of it. Models: the launch-bound
 model (50 blocks ``x + Linear(LayerNorm(x))`` of width 8 at batch 2, where a forward is all
 host overhead) and a tiny HF Llama of 24 layers (hidden size 16, about 320 submodules), both
 converted with the autocast preset through the export capture.
@@ -29,7 +30,13 @@ from _models import LaunchBound  # noqa: E402
 from _speed_report import machine  # noqa: E402
 
 import amprewrite  # noqa: E402
+from amprewrite.capture.isolation import CAPTURE_LOCK  # noqa: E402
 from amprewrite.capture.variants import GUARD_ATTR  # noqa: E402
+
+
+def _read_lock() -> None:
+    CAPTURE_LOCK.acquire_read()
+    CAPTURE_LOCK.release_read()
 
 
 def _llama() -> tuple[torch.nn.Module, tuple]:
@@ -63,8 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     print(machine("cpu"))
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
     print()
-    print("| model | submodules | items checked | check µs | forward µs | check / forward |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| model | submodules | items checked | check µs | lock µs | forward µs "
+          "| check / forward | lock / forward |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     policy = amprewrite.Policy.autocast("cpu", torch.bfloat16)
     for name, build in MODELS.items():
         model, inputs = build()
@@ -76,10 +84,11 @@ def main(argv: list[str] | None = None) -> None:
         with torch.no_grad():
             gm(*inputs)
             check = _us(lambda: guard.holds(gm), args.number, args.repeat)
+            lock = _us(_read_lock, args.number, args.repeat)
             forward = _us(lambda: gm(*inputs), max(args.number // 20, 20), args.repeat)
         modules = sum(1 for _ in model.modules())
-        print(f"| {name} | {modules} | {guard.snapshot.size} | {check:.2f} | {forward:.1f} | "
-              f"{check / forward:.1%} |")
+        print(f"| {name} | {modules} | {guard.snapshot.size} | {check:.2f} | {lock:.2f} | "
+              f"{forward:.1f} | {check / forward:.1%} | {lock / forward:.1%} |")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..errors import AmpRewriteError
+from ..errors import AmpRewriteError, user_stacklevel
 from ..graph.queries import mutated
 from ..graph.subgraphs import inline_body
 from ..versions import check_transformers
@@ -158,7 +158,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, shapes
             "without checkpointing. To keep checkpointing, convert with "
             "amprewrite.compile(model), or convert the checkpointed blocks and call "
             "checkpoint() on the converted blocks (docs/distributed.md).",
-            stacklevel=_user_stacklevel())
+            stacklevel=user_stacklevel())
     functions = custom_functions_in(ep.graph)
     if functions:
         names = ", ".join(sorted(functions))
@@ -168,11 +168,8 @@ def _export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, shapes
             "differentiates those ops instead of calling their own backward: gradients through "
             "them can differ from the model's (outputs do not). To keep them whole, convert "
             "with amprewrite.compile(model), whose capture keeps a Function's backward.",
-            stacklevel=_user_stacklevel())
+            stacklevel=user_stacklevel())
     return ep, attention.recorded() if attention is not None else ()
-
-
-_OWN_DIRS = (__file__.rsplit("/", 2)[0] + "/", TORCH_DIR)
 
 
 def _fresh_aliases(inputs: Any) -> Any:
@@ -193,16 +190,6 @@ def _fresh_aliases(inputs: Any) -> Any:
         return made[id(t)]
 
     return torch.utils._pytree.tree_map_only(torch.Tensor, alias, inputs)
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that makes a warning raised by the caller point at the innermost
-    frame outside amprewrite and torch (whose wrappers some releases put around calls): the
-    user's ``convert`` call, or their ``train()`` that captured the other mode."""
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIRS):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _register_hf_caches(model: nn.Module) -> None:

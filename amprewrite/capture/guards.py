@@ -80,8 +80,8 @@ class InputGuards(nn.Module):
     # NB: called as a function, not through nn.Module.__call__: bookkeeping of the capture,
     # not a layer of the model, so no module hook (a global one included) sees it.
     def __call__(self, *args: Any) -> None:
-        if fx._symbolic_trace.is_fx_symbolic_tracing():  # a tracer records the call (a pickle's load)
-            return nn.Module.__call__(self, *args)
+        if fx._symbolic_trace.is_fx_symbolic_tracing():
+            return nn.Module.__call__(self, *args)  # a tracer records it (a pickle's load)
         return self.forward(*args)
 
     def __reduce__(self) -> Any:

@@ -37,14 +37,12 @@ itself runs only eagerly (a call outside ``torch.compile``, or ``gm.train()``/``
 from __future__ import annotations
 
 import copy
-import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.fx as fx
 
-from ..errors import AmpRewriteError
-from ..errors import RecaptureWarning
+from ..errors import AmpRewriteError, RecaptureWarning, report_recapture
 from ..graph.inputs import (changed_dims, input_mismatch, is_dynamic, other_arguments,
                             scalar_changes)
 from ..runtime.low_copies import LOW_COPIES_ATTR
@@ -53,8 +51,8 @@ from ..runtime.weight_cache import CACHE_ATTR
 from .snapshot import StateSnapshot
 from .modes import MODES_ATTR, exchange_graphs, switch_graph
 
-__all__ = ["CallGuard", "RefitFailed", "GUARD_ATTR", "STATE_KEY", "MAX_STATES", "ON_CHANGE", "swap_cores",
-           "state_of"]
+__all__ = ["CallGuard", "RefitFailed", "GUARD_ATTR", "STATE_KEY", "MAX_STATES", "ON_CHANGE",
+           "swap_cores", "state_of"]
 
 GUARD_ATTR = "_amp_guard"
 """``gm.__dict__[GUARD_ATTR]``: the module's :class:`CallGuard`."""
@@ -67,9 +65,19 @@ MAX_STATES = 8
 
 ON_CHANGE = ("recapture", "raise")
 
-Recapture = Callable[[fx.GraphModule, tuple, dict], fx.GraphModule]
-"""``(module, args, kwargs) -> core``: a new core for the model as it is now, in the module's
-mode, captured with the call's inputs, sharing the module's root state."""
+class Recapture(Protocol):
+    """How a module captures its model again (``convert``'s ``_Recapture``)."""
+
+    model: torch.nn.Module
+    has_inputs: bool
+    """Whether a capture takes the call's inputs (else the symbolic tracer needs none)."""
+
+    def __call__(self, gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any],
+                 varying: frozenset[tuple[str, int]] = frozenset()) -> fx.GraphModule:
+        """A new core for the model as it is now, in ``gm``'s mode, captured with the call's
+        inputs (``varying``: their dimensions to make dynamic), sharing ``gm``'s root state."""
+
+    def watch(self, gm: fx.GraphModule) -> ModelWatch | None: ...
 
 
 def state_of(graph: fx.GraphModule, training: bool) -> StateSnapshot | None:
@@ -176,7 +184,7 @@ class CallGuard:
           for one converted from example inputs, the call raises (they name the kind of
           inputs the module takes).
         """
-        if self.recapture is None or not getattr(self.recapture, "has_inputs", False):
+        if self.recapture is None or not self.recapture.has_inputs:
             return False
 
         def fits(core: fx.GraphModule) -> bool:
@@ -196,8 +204,7 @@ class CallGuard:
         what = "; ".join(line.strip() for line in message.splitlines()[1:]
                          if line.startswith("  ")) or "other inputs"
         wanted = frozenset(dims or ()) - self.fixed_dims
-        sizes_only = dims is not None and not scalars and bool(dims)
-        if sizes_only:  # never refused: a size the model specialises evicts the oldest graph
+        if dims and not scalars:  # never refused: a size the model specialises evicts the oldest graph
             self._refuse(gm, [what], state=False, bound=False)
             if len(self.cores) + 1 >= MAX_STATES:
                 self.cores.pop(0)
@@ -225,7 +232,7 @@ class CallGuard:
         ``gm`` holds (it takes every input that one took)."""
         assert self.recapture is not None
         varying = self.varying | wanted
-        core = self.recapture(gm, args, kwargs, varying)  # type: ignore[call-arg]
+        core = self.recapture(gm, args, kwargs, varying)
         swap_cores(gm, core)
         dynamic = {key for key in varying if is_dynamic(gm, *key)}
         self.varying = frozenset(dynamic)
@@ -233,11 +240,11 @@ class CallGuard:
         self.fixed_dims |= fixed
         named = ", ".join(f"{n} dimension {d}" for n, d in sorted(wanted & dynamic))
         if named:
-            report(f"this {type(gm).__name__} was called with another size ({what}), so it "
+            report_recapture(f"this {type(gm).__name__} was called with another size ({what}), so it "
                    f"was captured again with {named} dynamic; later sizes there reuse that "
                    "graph.")
         if fixed:
-            report(f"{type(gm).__name__} cannot take a symbolic size in "
+            report_recapture(f"{type(gm).__name__} cannot take a symbolic size in "
                    + ", ".join(f"{n} dimension {d}" for n, d in sorted(fixed))
                    + f" (torch.export specialised it, or failed on it); the module keeps one "
                    f"graph per size there, the last {MAX_STATES}, and captures again for "
@@ -261,8 +268,8 @@ class CallGuard:
         """Capture the model as it is now with the call's inputs, hold it, keep the core
         ``gm`` held, and warn."""
         assert self.recapture is not None  # _refuse raised otherwise
-        core = self.recapture(gm, args, kwargs, self.varying)  # type: ignore[call-arg]
-        report(warning)
+        core = self.recapture(gm, args, kwargs, self.varying)
+        report_recapture(warning)
         self.cores.append(swap_cores(gm, core))
 
     def _refuse(self, gm: fx.GraphModule, what: list[str], state: bool = True,
@@ -300,22 +307,6 @@ class CallGuard:
 
     def __reduce__(self) -> Any:
         return (_no_guard, ())
-
-
-def report(message: str) -> None:
-    """The one channel recaptures are reported through (:class:`RecaptureWarning`), pointing
-    at the caller's line."""
-    warnings.warn("amprewrite: " + message, RecaptureWarning, stacklevel=_user_level())
-
-
-def _user_level() -> int:
-    """The stack level of the first frame outside this package and torch (the user's call)."""
-    import sys
-    frame, level = sys._getframe(1), 1
-    while frame is not None and (f"{__package__.split('.')[0]}/" in frame.f_code.co_filename
-                                 or "/torch/" in frame.f_code.co_filename):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _no_guard() -> None:

@@ -33,7 +33,10 @@ import torch.fx
 import torch.nn as nn
 from torch.nn.modules.module import (register_module_buffer_registration_hook,
                                      register_module_parameter_registration_hook)
+from torch.nn.modules import module as nn_module
 from torch.utils.hooks import RemovableHandle
+
+from ..errors import user_stacklevel
 
 __all__ = ["ModelWatch", "WATCH_ATTR", "watch_model", "share_tensor_dicts", "changes",
            "report_global_hooks"]
@@ -223,8 +226,8 @@ def watch_model(gm: nn.Module, model: nn.Module) -> None:
         gm.__dict__[WATCH_ATTR] = watch
 
 
-_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
-                 "_global_backward_pre_hooks", "_global_backward_hooks")
+_GLOBAL_HOOKS = ("forward_pre_hook", "forward_hook", "backward_pre_hook", "backward_hook")
+"""``torch.nn.modules.module.register_module_<kind>`` registers into ``_global_<kind>s``."""
 _warned_global: set[int] = set()
 
 
@@ -232,19 +235,15 @@ def report_global_hooks() -> None:
     """Warn once per global module hook (``register_module_forward_hook`` and the like): it
     runs around the converted module's own call, but not around the model's submodules,
     which its graph does not call."""
-    from torch.nn.modules import module as nn_module
-
     for kind in _GLOBAL_HOOKS:
-        for hook_id in getattr(nn_module, kind, {}):
+        for hook_id in getattr(nn_module, f"_global_{kind}s", {}):
             if hook_id in _warned_global:
                 continue
             _warned_global.add(hook_id)
-            what = kind.removeprefix("_global_").removesuffix("s").replace("_", " ")
             warnings.warn(
-                f"amprewrite: a global module {what} (torch.nn.modules.module.register_module_"
-                f"{kind.removeprefix('_global_').removesuffix('s')}) is registered: it runs "
-                "around the converted module's call, but not around the model's submodules, "
-                "whose code the converted graph holds inline. Register the hook on the "
-                "submodules you need before amprewrite.convert (the capture records what it "
-                "computes), or audit with amprewrite.audit(), which sees every op.",
-                stacklevel=5)
+                f"amprewrite: a global module {kind.replace('_', ' ')} (torch.nn.modules."
+                f"module.register_module_{kind}) is registered: it runs around the converted "
+                "module's call, but not around the model's submodules, whose code the "
+                "converted graph holds inline. Register the hook on the submodules you need "
+                "before amprewrite.convert (the capture records what it computes), or audit "
+                "with amprewrite.audit(), which sees every op.", stacklevel=user_stacklevel())

@@ -37,7 +37,8 @@ from .capture.state import preserved_global_state
 from .capture.variants import GUARD_ATTR, ON_CHANGE, STATE_KEY, CallGuard
 from .capture.symbolic import capture_symbolic, propagate_meta
 from .errors import AmpRewriteError
-from .capture.calling import adopt_signature, finish
+from .capture.calling import finish
+from .capture.model_view import adopt_model
 from .graph.inputs import record_inputs
 from .graph.meta import META_KEY
 from .graph.queries import module_paths
@@ -174,6 +175,10 @@ def convert(
     gm = recapture.capture(example_inputs, example_kwargs)
     gm.__dict__[GUARD_ATTR] = CallGuard(gm, None if is_converted(model) else recapture,
                                         on_change, recapture.watch(gm))
+    if not is_converted(model):
+        # NB: the capture's signature stays: it names the example's inputs, which Trainer
+        # then passes (and no loss kwargs the example did not have)
+        adopt_model(gm, model, signature=False)
     return gm
 
 
@@ -186,7 +191,7 @@ def _placeholder(model: nn.Module, policy: Policy, low: torch.dtype, opt_level: 
         meta[OPT_LEVEL_KEY] = OptLevel(opt_level, None if opt_level == "O0" else low)
     gm = finish(placeholder_module(model, meta, o2=opt_level == "O2"))
     gm.__dict__[GUARD_ATTR] = CallGuard(gm, recapture, on_change, None, first_call=True)
-    adopt_signature(gm, model)
+    adopt_model(gm, model)  # ``(*args, **kwargs)`` until then: the model's signature
     return gm
 
 
@@ -392,12 +397,14 @@ def _export_and_rewrite(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
             dynamic_error = exc
     gm = _recorded_export(model, args, kwargs, regime, False, faithful)
     converted = _rewrite(gm, model, policy, low, opt_level, calibration, pair)
+    if pair.varying:  # a capture at a call: its RecaptureWarning names the dimensions
+        return converted
     warnings.warn(
         f"amprewrite.convert: {type(model).__name__} could not be converted with dynamic "
         f"shapes ({type(dynamic_error).__name__}: {str(dynamic_error).splitlines()[0]}); it was "
-        "converted for the example inputs' shapes, so the converted module accepts only "
-        "those shapes. Convert again with example inputs of the shapes you will run.",
-        stacklevel=3)
+        "converted for the example inputs' shapes, and a call with other sizes is captured "
+        "again for them, one graph per size. Convert again with example inputs of the sizes "
+        "you will run most.", stacklevel=3)
     return converted
 
 

@@ -6,6 +6,7 @@ under the CPU preset, bitwise."""
 
 from __future__ import annotations
 
+import copy
 import io
 import threading
 import warnings
@@ -174,6 +175,30 @@ def test_the_signature_is_the_models() -> None:
         assert torch.equal(out, _eager(model, input_ids=ids))
 
 
+def test_the_models_attributes_and_methods_are_the_converted_modules() -> None:
+    """What libraries read off the module (``loss_type``, ``config``...) is the model's at
+    every moment; a method of the model runs with the converted module as ``self``, so one
+    that calls ``self(...)`` (as HF ``generate`` does) runs the converted forward."""
+    model = Tokens()
+    ids = _batch(7)["input_ids"]
+    for gm in (amprewrite.convert(model, capture="export", policy=PRESET),
+               amprewrite.convert(model, (), example_kwargs=_batch(7), policy=PRESET)):
+        assert gm.loss_type == "ForCausalLM"
+        model.loss_type = "other"
+        assert gm.loss_type == "other"
+        gm.loss_type = "ForCausalLM"  # written through to the model
+        assert model.loss_type == "ForCausalLM"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RecaptureWarning)
+            out = gm.helper(ids)
+        assert out.dtype == torch.float32 and torch.equal(out, _eager(model, input_ids=ids))
+        copied = copy.deepcopy(gm)
+        assert copied.loss_type == "ForCausalLM" and copied.helper.__func__ is Tokens.helper
+        with pytest.raises(AttributeError, match="no_such_attribute"):
+            gm.no_such_attribute
+    assert not hasattr(nn.Linear(2, 2), "helper")  # other modules' classes are left alone
+
+
 class Flagged(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -320,3 +345,25 @@ def test_a_forward_that_writes_its_own_state_is_refused_and_the_model_left_as_it
     with pytest.raises(AmpRewriteError, match=r"steps: 0 -> 1.*amprewrite.compile"):
         amprewrite.convert(model, (torch.randn(2, 4),))
     assert model.steps == 0 and type(model) is Counting
+
+
+def test_hf_generate_with_a_kv_cache_runs_the_converted_forward() -> None:
+    """``gm.generate`` (the model's method, with the converted module as ``self``): a prefill
+    call, then decode calls whose KV cache grows, at two prompt lengths; the tokens are eager
+    autocast's. NB: torch.export cannot make the cache's length dynamic for a forward taking
+    ``**kwargs`` (``return_dict``), so each length is a capture of its own (said, bounded)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    gm = amprewrite.convert(model, capture="export", policy=PRESET)
+    for length in (6, 9):
+        ids = torch.randint(0, 64, (1, length), generator=torch.Generator().manual_seed(length))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tokens = gm.generate(ids, max_new_tokens=4, do_sample=False)
+            with torch.autocast("cpu", torch.bfloat16):
+                expected = model.generate(ids, max_new_tokens=4, do_sample=False)
+        assert tokens.shape == (1, length + 4) and torch.equal(tokens, expected), length

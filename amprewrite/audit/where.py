@@ -29,6 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from ..capture.calling import generated_code
 from ..graph.meta import cast_info
 from ..graph.queries import module_paths
+from ..runtime.model_watch import own_global_hooks
 from ..runtime.weight_table import is_fetch
 
 __all__ = ["Context", "Attribution"]
@@ -86,6 +87,7 @@ class Attribution:
         reg = nn.modules.module
         self._handles = [reg.register_module_forward_pre_hook(self._pre),
                          reg.register_module_forward_hook(self._post, always_call=True)]
+        own_global_hooks(self._handles)  # they see every module the audit runs
 
     def stop(self) -> None:
         for handle in self._handles:

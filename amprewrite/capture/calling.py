@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import inspect
 import linecache
 import sys
 import traceback
@@ -54,12 +53,13 @@ from ..graph.inputs import input_mismatch
 from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
 from .guards import GUARDS_ATTR, InputGuards
 from .isolation import CAPTURE_LOCK
+from .model_view import adopt_model
 from .modes import FORWARD_ATTR, MODES_ATTR, relink_modes, switch_graph
 from .symbolic import _AmpTracer
 from .first_call import NOT_CAPTURED_YET_KEY
 from .variants import GUARD_ATTR, RefitFailed
 
-__all__ = ["finish", "failure_context", "generated_code", "adopt_signature"]
+__all__ = ["finish", "failure_context", "generated_code"]
 
 
 def finish(gm: fx.GraphModule) -> fx.GraphModule:
@@ -78,7 +78,7 @@ def _finish_one(gm: fx.GraphModule) -> fx.GraphModule:
     gm.__dict__.setdefault(MODES_ATTR, (None, None))
     cls = type(gm)
     gm.__dict__[FORWARD_ATTR] = cls.forward
-    cls.forward = _held_graph_forward(cls.forward, gm.__dict__.get(SIGNATURE_ATTR))
+    cls.forward = _held_graph_forward(cls.forward)
     cls.__call__ = _converted_call
     cls.__deepcopy__ = _finished_copy
     cls.train = _train
@@ -86,34 +86,15 @@ def _finish_one(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _held_graph_forward(generated: Any, signature: inspect.Signature | None) -> Any:
+def _held_graph_forward(generated: Any) -> Any:
     """The class's ``forward``: the generated forward of the graph the module holds now (a
-    mode switch or a new state exchanges graphs, not classes). Its signature, which
-    ``inspect.signature(gm.forward)`` reads (HF ``Trainer`` drops the columns it does not
-    name), is the model's forward's (:func:`adopt_signature`), else the generated one's."""
+    mode switch or a new state exchanges graphs, not classes), one function per class, with
+    the generated signature until :func:`~.model_view.adopt_model` gives it the model's."""
     @functools.wraps(generated)
     def forward(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
         return self.__dict__[FORWARD_ATTR](self, *args, **kwargs)
 
-    if signature is not None:
-        forward.__signature__ = signature  # type: ignore[attr-defined]
     return forward
-
-
-SIGNATURE_ATTR = "_amp_signature"
-"""``gm.__dict__[SIGNATURE_ATTR]``: the signature of the model's ``forward`` (with ``self``)."""
-
-
-def adopt_signature(gm: fx.GraphModule, model: nn.Module) -> None:
-    """Give ``gm``'s ``forward`` the signature of ``model``'s."""
-    try:
-        signature = inspect.signature(type(model).forward)
-    except (TypeError, ValueError):
-        return
-    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in signature.parameters.values()):
-        return  # ``forward(*args, **kwargs)`` (a PEFT model's): the capture's names say more
-    gm.__dict__[SIGNATURE_ATTR] = signature
-    type(gm).forward.__signature__ = signature
 
 
 def generated_code(module: nn.Module) -> types.CodeType:
@@ -148,10 +129,15 @@ def _finished_copy(self: fx.GraphModule, memo: dict[int, Any]) -> fx.GraphModule
                                                 memo)
     if GUARD_ATTR in self.__dict__:
         copied.__dict__[GUARD_ATTR] = copy.deepcopy(self.__dict__[GUARD_ATTR], memo)
-    if SIGNATURE_ATTR in self.__dict__:
-        copied.__dict__[SIGNATURE_ATTR] = self.__dict__[SIGNATURE_ATTR]
     relink_modes(copied)
-    return _finish_one(copied)
+    _finish_one(copied)
+    model = getattr(copied.__dict__.get(GUARD_ATTR), "recapture", None)
+    if model is not None:  # the copy reads as its own copy of the model
+        adopt_model(copied, model.model, signature=False)
+    signature = getattr(type(self).forward, "__signature__", None)
+    if signature is not None:
+        type(copied).forward.__signature__ = signature
+    return copied
 
 
 _UNPICKLABLE = (

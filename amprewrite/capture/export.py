@@ -44,6 +44,7 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from ..errors import AmpRewriteError, user_stacklevel
 from ..graph.queries import mutated
@@ -274,6 +275,13 @@ def dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
             return type(x)(spec(v, f"{name}[{i}]", default) for i, v in enumerate(x))
         if isinstance(x, dict):
             return {k: spec(v, f"{name}[{k!r}]", default) for k, v in x.items()}
+        node = pytree.SUPPORTED_NODES.get(type(x))
+        if node is not None:  # a registered class (transformers' caches): torch.export takes
+            # the shapes of its flattened children, named by pytree's keys for them
+            names = iter([name + pytree.keystr(path)
+                          for path, _ in pytree.tree_flatten_with_path(x)[0]])
+            return pytree.tree_map(lambda leaf: spec(leaf, next(names), default),
+                                   node.flatten_fn(x)[0])
         return None
 
     if kwargs and not varying:

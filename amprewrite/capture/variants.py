@@ -43,7 +43,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import AmpRewriteError, RecaptureWarning, report_recapture
-from ..graph.inputs import (changed_dims, input_mismatch, is_dynamic, other_arguments,
+from ..graph.inputs import (captured_size, changed_dims, input_mismatch, other_arguments,
                             scalar_changes)
 from ..runtime.low_copies import LOW_COPIES_ATTR
 from ..runtime.model_watch import ModelWatch, changes, report_global_hooks
@@ -214,11 +214,7 @@ class CallGuard:
             if wanted:
                 self._capture_dynamic(gm, args, kwargs, wanted, what)
             else:
-                self._capture_new(
-                    gm, args, kwargs,
-                    f"this {type(gm).__name__} was called with inputs its graph was not "
-                    f"captured for ({what}), so it was captured again for them "
-                    f"({self._kept()}).")
+                self._capture_new(gm, args, kwargs, self._recaptured(type(gm).__name__, what))
         except RecaptureWarning:
             raise  # the user made recaptures errors
         except Exception as exc:
@@ -234,22 +230,34 @@ class CallGuard:
         varying = self.varying | wanted
         core = self.recapture(gm, args, kwargs, varying)
         swap_cores(gm, core)
-        dynamic = {key for key in varying if is_dynamic(gm, *key)}
+        sizes = {key: captured_size(gm, *key) for key in varying}
+        dynamic = {key for key, size in sizes.items() if size is None}
         self.varying = frozenset(dynamic)
-        fixed = wanted - dynamic
+        # NB: torch.export always fixes a size of 0 or 1 (a decode step's length 1): that is
+        # the example's doing, and the next call of another size tries again
+        fixed = {key for key in wanted - dynamic if sizes[key] not in (0, 1)}
         self.fixed_dims |= fixed
-        named = ", ".join(f"{n} dimension {d}" for n, d in sorted(wanted & dynamic))
-        if named:
-            report_recapture(f"this {type(gm).__name__} was called with another size ({what}), so it "
-                   f"was captured again with {named} dynamic; later sizes there reuse that "
-                   "graph.")
-        if fixed:
-            report_recapture(f"{type(gm).__name__} cannot take a symbolic size in "
-                   + ", ".join(f"{n} dimension {d}" for n, d in sorted(fixed))
-                   + f" (torch.export specialised it, or failed on it); the module keeps one "
-                   f"graph per size there, the last {MAX_STATES}, and captures again for "
-                   "others. Pad those inputs to a few fixed sizes.")
+        if wanted - dynamic:
             self.cores.append(core)  # the graph of the earlier size stays right for it
+        name = type(gm).__name__
+        made = ", ".join(f"{n} dimension {d}" for n, d in sorted(wanted & dynamic))
+        if made:
+            report_recapture(f"this {name} was called with another size ({what}), so it was "
+                             f"captured again with {made} dynamic; later sizes there reuse "
+                             "that graph.")
+        elif not fixed:
+            report_recapture(self._recaptured(name, what))
+        if fixed:
+            report_recapture(
+                f"{name} cannot take a symbolic size in "
+                + ", ".join(f"{n} dimension {d}" for n, d in sorted(fixed))
+                + f" (torch.export specialised it, or failed on it); the module keeps one "
+                f"graph per size there, the last {MAX_STATES}, and captures again for "
+                "others. Pad those inputs to a few fixed sizes.")
+
+    def _recaptured(self, name: str, what: str) -> str:
+        return (f"this {name} was called with inputs its graph was not captured for ({what}), "
+                f"so it was captured again for them ({self._kept()}).")
 
     def _hold_kept(self, gm: fx.GraphModule, fits: Callable[[fx.GraphModule], bool]) -> bool:
         """Make ``gm`` hold the first kept core that ``fits``; whether there was one."""

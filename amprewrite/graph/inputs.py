@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 __all__ = ["INPUTS_KEY", "InputSpec", "record_inputs", "input_mismatch", "changed_dims",
-           "input_names", "scalar_changes", "is_dynamic", "other_arguments"]
+           "input_names", "scalar_changes", "captured_size", "other_arguments"]
 
 INPUTS_KEY = "amprewrite_inputs"
 """``gm.meta[INPUTS_KEY]``: the :class:`InputSpec` of each tensor the module was captured for."""
@@ -68,14 +68,26 @@ def input_names(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[s
 
 def _named_leaves(model: nn.Module, args: tuple, kwargs: dict[str, Any]
                   ) -> list[tuple[str, Any]]:
-    """Every tensor and Python scalar of a call, named as in :class:`InputSpec`."""
+    """Every tensor and Python scalar of a call, named as in :class:`InputSpec`, in the
+    order torch.export flattens them (its placeholders'): the positional arguments, then the
+    keywords in the order the call gives them (not the forward's)."""
     named = []
     for name, value in input_names(model, args, kwargs).items():
         leaves, _ = pytree.tree_flatten_with_path(value)
         for path, leaf in leaves:
             if isinstance(leaf, (torch.Tensor, *_SCALARS)):
                 named.append((name + pytree.keystr(path), leaf))
-    return named
+    # NB: sorted is stable: positional leaves keep their order, a keyword's leaves theirs
+    return sorted(named, key=lambda item: _call_position(item, kwargs))
+
+
+def _call_position(item: tuple[str, Any], kwargs: dict[str, Any]) -> int:
+    """-1 for a positional argument's leaf, else the index of its keyword in the call."""
+    name = item[0]
+    for i, key in enumerate(kwargs):
+        if name == key or name.startswith((f"{key}[", f"{key}.")) or f"[{key!r}]" in name:
+            return i
+    return -1
 
 
 def _named_tensors(model: nn.Module, args: tuple, kwargs: dict[str, Any]
@@ -215,9 +227,10 @@ def scalar_changes(gm: nn.Module, args: tuple, kwargs: dict[str, Any]) -> list[s
             if spec.dtype is None and spec.name in named and _mismatch(spec, named[spec.name])]
 
 
-def is_dynamic(gm: nn.Module, name: str, dim: int) -> bool:
-    """Whether ``gm`` takes any size in dimension ``dim`` of its input ``name``."""
+def captured_size(gm: nn.Module, name: str, dim: int) -> int | None:
+    """The size ``gm`` fixed in dimension ``dim`` of its input ``name``; None where it takes
+    any size there (or has no such input)."""
     for spec in getattr(gm, "meta", {}).get(INPUTS_KEY) or ():
-        if spec.name == name and spec.dtype is not None:
-            return spec.shape is None or (dim < len(spec.shape) and spec.shape[dim] is None)
-    return False
+        if spec.name == name and spec.dtype is not None and spec.shape is not None:
+            return spec.shape[dim] if dim < len(spec.shape) else None
+    return None

@@ -39,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 from ..errors import user_stacklevel
 
 __all__ = ["ModelWatch", "WATCH_ATTR", "watch_model", "share_tensor_dicts", "changes",
-           "report_global_hooks"]
+           "report_global_hooks", "own_global_hooks"]
 
 WATCH_ATTR = "_amp_model_watch"
 
@@ -229,6 +229,12 @@ def watch_model(gm: nn.Module, model: nn.Module) -> None:
 _GLOBAL_HOOKS = ("forward_pre_hook", "forward_hook", "backward_pre_hook", "backward_hook")
 """``torch.nn.modules.module.register_module_<kind>`` registers into ``_global_<kind>s``."""
 _warned_global: set[int] = set()
+
+
+def own_global_hooks(handles: list[RemovableHandle]) -> None:
+    """Global hooks of this package (the auditor's, which attribute ops to modules and see
+    every module that runs): not reported."""
+    _warned_global.update(handle.id for handle in handles)
 
 
 def report_global_hooks() -> None:

@@ -1,0 +1,103 @@
+"""A converted module reads as its model: the model's attributes and methods, on its class.
+
+Libraries inspect the module they are handed: HF ``Trainer`` reads ``model.loss_type`` and
+``accepts_loss_kwargs`` (which decide how the loss is normalised), ``main_input_name`` and
+``config``; ``generate`` reads ``generation_config`` and calls ``self(...)``, looking methods
+up on ``type(self)``. A converted module is a GraphModule, whose class knows none of them.
+
+:func:`adopt_model` gives the converted module's own class (torch.fx makes one per
+GraphModule, so no other module changes):
+
+* each **method and class attribute** of the model's class that ``fx.GraphModule`` does not
+  define, as the model's class holds it: a method then runs with the converted module as
+  ``self``, so one that calls ``self(...)`` (``generate``, a ``predict`` helper) runs the
+  converted forward, never the model's fp32 one;
+* each **instance attribute** of the model (``config``, ``loss_type``, ``generation_config``;
+  not its parameters, buffers, submodules or torch's bookkeeping) as a property that reads
+  and writes the model's: the value at every moment, not a copy made at conversion.
+
+NB: a class ``__getattr__`` would reach names set on the model after conversion too, but
+Dynamo then guards every attribute read of a compiled converted module through it (a Python
+check per call); the class attributes here are read only where used.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch.fx as fx
+import torch.nn as nn
+
+from .variants import GUARD_ATTR
+
+__all__ = ["adopt_model", "model_of"]
+
+_OWN = frozenset(name for klass in fx.GraphModule.__mro__ for name in vars(klass))
+"""What a GraphModule (and so an nn.Module) defines: never replaced."""
+
+_BOOKKEEPING = frozenset(nn.Module().__dict__) | {"training"}
+
+
+def adopt_model(gm: fx.GraphModule, model: nn.Module, signature: bool = True) -> None:
+    """Give ``gm``'s class the model's methods, class attributes and instance attributes
+    (module docstring), and with ``signature`` its forward's signature (which
+    ``inspect.signature(gm.forward)`` reads: ``Trainer`` drops the columns it does not name).
+    NB: not where the forward takes ``*args`` (a PEFT model's), whose capture names more."""
+    cls = type(gm)
+    if signature:
+        adopt_signature(gm, model)
+    for klass in reversed(type(model).__mro__):
+        if klass is object or klass in fx.GraphModule.__mro__:
+            continue
+        for name, value in vars(klass).items():
+            if name not in _OWN and not (name.startswith("__") and name.endswith("__")):
+                setattr(cls, name, value)
+    for name in model.__dict__:
+        if name in _BOOKKEEPING or name in _OWN or name in gm.__dict__ or \
+                name.startswith(("__", "_amp")):
+            continue
+        setattr(cls, name, _ModelAttribute(name))
+
+
+def adopt_signature(gm: fx.GraphModule, model: nn.Module) -> None:
+    try:
+        signature = inspect.signature(type(model).forward)
+    except (TypeError, ValueError):
+        return
+    if not any(p.kind is inspect.Parameter.VAR_POSITIONAL
+               for p in signature.parameters.values()):
+        type(gm).forward.__signature__ = signature  # type: ignore[attr-defined]
+
+
+def model_of(gm: nn.Module) -> nn.Module:
+    """The model ``gm`` was converted from (its capture recipe holds it)."""
+    recapture = getattr(gm.__dict__.get(GUARD_ATTR), "recapture", None)
+    model = getattr(recapture, "model", None)
+    if model is None:
+        raise AttributeError(f"this {type(gm).__name__} holds no model to read attributes from "
+                             "(a copy loaded from a pickle)")
+    return model
+
+
+class _ModelAttribute:
+    """An instance attribute of the model, read and written through the converted module."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, gm: Any, owner: type | None = None) -> Any:
+        if gm is None:
+            return self
+        own = gm.__dict__
+        if self.name in own:  # set on the converted module itself before adoption
+            return own[self.name]
+        return getattr(model_of(gm), self.name)
+
+    def __set__(self, gm: Any, value: Any) -> None:
+        setattr(model_of(gm), self.name, value)
+
+    def __repr__(self) -> str:
+        return f"<the model's attribute {self.name!r}>"
+
+

@@ -166,3 +166,51 @@ def test_accelerate_bf16_wrapper_runs_the_graph_of_the_current_mode() -> None:
             torch.manual_seed(seed)
             losses.append(module(x, y))
         assert torch.equal(*losses), mixed_precision
+
+
+class _Sequence(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 16)
+        self.fc = torch.nn.Linear(16, 4)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.fc(self.emb(input_ids)).float().flatten(0, 1),
+                               labels.flatten())
+
+
+def test_variable_lengths_keyword_calls_match_accelerates_bf16_bitwise() -> None:
+    """``model(**batch)`` on batches of another length each step, and a partial last batch,
+    through a real ``Accelerator``: the converted module (first-call capture) loses what the
+    model loses under ``mixed_precision="bf16"``, step for step."""
+    def batches() -> list[dict[str, torch.Tensor]]:
+        out = []
+        for i, (rows, length) in enumerate([(4, 5), (4, 9), (4, 7), (4, 12), (2, 6)]):
+            g = torch.Generator().manual_seed(i)
+            out.append({"input_ids": torch.randint(0, 20, (rows, length), generator=g),
+                        "labels": torch.randint(0, 4, (rows, length), generator=g)})
+        return out
+
+    losses = []
+    for converted in (True, False):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        torch.manual_seed(0)
+        model = _Sequence()
+        module = amprewrite.convert(model, capture="export", policy=PRESET) if converted \
+            else model
+        accelerator = accelerate.Accelerator(cpu=True,
+                                             mixed_precision="no" if converted else "bf16")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        module, optimizer = accelerator.prepare(module, optimizer)
+        run = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for batch in batches():
+                loss = module(**batch)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+                run.append(loss.detach())
+        losses.append(torch.stack(run))
+    assert torch.equal(losses[0], losses[1])

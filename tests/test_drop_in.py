@@ -291,12 +291,14 @@ def test_saving_leaves_the_module_following_its_model() -> None:
     assert torch.equal(loaded(x), saved)  # the copy: the model as it was saved
 
 
+@pytest.mark.parametrize("capture", ["export", "symbolic"])
 @pytest.mark.parametrize("change", ["weight_norm", "spectral_norm", "parametrization",
                                     "prune"])
-def test_parametrizations_and_pruning_added_after_conversion_are_followed(change: str) -> None:
+def test_parametrizations_and_pruning_added_after_conversion_are_followed(
+        change: str, capture: str) -> None:
     torch.manual_seed(0)
     model, x = CNN().eval(), torch.randn(2, 3, 8, 8)
-    gm = amprewrite.convert(model, (x,), policy=PRESET)
+    gm = amprewrite.convert(model, (x,) if capture == "export" else None, policy=PRESET)
     if change == "weight_norm":
         torch.nn.utils.parametrizations.weight_norm(model.fc)
     elif change == "spectral_norm":
@@ -311,6 +313,11 @@ def test_parametrizations_and_pruning_added_after_conversion_are_followed(change
         torch.nn.utils.prune.l1_unstructured(model.fc, "weight", amount=0.5)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        if change == "spectral_norm" and capture == "symbolic":
+            # its power iteration branches on tensors: the new capture refuses, saying so
+            with pytest.raises(AmpRewriteError, match="symbolic tracing of CNN failed"):
+                gm(x)
+            return
         out = gm(x)
     assert torch.equal(out, _eager(model, x))
 

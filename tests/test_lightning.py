@@ -190,3 +190,63 @@ def test_an_explicit_dtype_wins_over_the_policys(plugin: type) -> None:
     converted = converted[0] if plugin is AmpPrecision else converted
     out = converted(torch.randn(2, 4))
     assert out.dtype == torch.float16
+
+
+class _Tagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(input_ids)) * attention_mask[..., None]
+
+
+class TokenTagger(L.LightningModule):
+    """A ``training_step`` that calls its model with keywords, on batches of another length
+    each step (a padding collator's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = _Tagger()
+        self.losses: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        loss = F.cross_entropy(out.float().flatten(0, 1), batch["labels"].flatten())
+        self.losses.append(loss.detach())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _ragged() -> list[dict[str, torch.Tensor]]:
+    batches = []
+    for i, length in enumerate([5, 9, 7, 12, 6, 10]):
+        gen = torch.Generator().manual_seed(i)
+        batches.append({"input_ids": torch.randint(0, 20, (3, length), generator=gen),
+                        "attention_mask": torch.ones(3, length),
+                        "labels": torch.randint(0, 4, (3, length), generator=gen)})
+    return batches
+
+
+def test_keyword_calls_with_a_new_length_every_step_match_bf16_mixed_bitwise() -> None:
+    ours, theirs = TokenTagger(), TokenTagger()
+    runs = []
+    for module, options in ((ours, {"plugins": [AmpPrecision(
+            policy=amprewrite.Policy.autocast("cpu", bf16))]}), (theirs, {"precision": "bf16-mixed"})):
+        L.seed_everything(0, verbose=False)
+        run = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, **options)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run.fit(module, torch.utils.data.DataLoader(_ragged(), batch_size=None))
+        runs.append(caught)
+    assert len(ours.losses) == 6
+    assert torch.equal(torch.stack(ours.losses), torch.stack(theirs.losses))
+    recaptures = [w for w in runs[0] if issubclass(w.category, amprewrite.RecaptureWarning)]
+    assert len(recaptures) == 1, [str(w.message) for w in recaptures]
+    assert not [w for w in runs[0] if "eval mode" in str(w.message)]

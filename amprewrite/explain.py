@@ -33,6 +33,7 @@ import torch.fx as fx
 from .capture.guards import is_input_guards
 from .capture.first_call import NOT_CAPTURED_YET_KEY
 from .capture.modes import NOT_CAPTURED_KEY, mode_graphs, mode_name, pending_mode
+from .capture.variants import GUARD_ATTR
 from .compile_backend import AmpBackend
 from .graph.meta import META_KEY, cast_info, decision, fp8_step
 from .graph.queries import module_paths
@@ -250,7 +251,17 @@ def explain(target: Any, *, all_nodes: bool = False,
         if isinstance(target, torch.nn.Module) else None
     if waiting is not None:
         return f"not captured yet: {waiting}"
-    return _render(target, all_nodes, casts, with_summary=True)
+    return _render(target, all_nodes, casts, with_summary=True) + _captures(target)
+
+
+def _captures(target: Any) -> str:
+    """The graphs a converted module captured after its first, and why (none: nothing)."""
+    log = getattr(target.__dict__.get(GUARD_ATTR) if isinstance(target, torch.nn.Module)
+                  else None, "captures", [])
+    if len(log) < 2:
+        return ""
+    return "\n\ncaptures, oldest first:\n" + "\n".join(
+        f"  {i}. {why}" for i, why in enumerate(log, 1))
 
 
 def decision_tables(target: Any, *, all_nodes: bool = False) -> str:

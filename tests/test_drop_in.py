@@ -89,6 +89,8 @@ def test_twenty_lengths_train_bitwise_with_one_recapture(route: str) -> None:
     recaptures = _recaptures(caught)
     assert len(recaptures) == 1, recaptures
     assert "input_ids dimension 1" in recaptures[0] and "dynamic" in recaptures[0]
+    listed = amprewrite.explain(gm).split("captures, oldest first:")[1]
+    assert "input_ids dimension 1" in listed and listed.count("\n  ") == 2
 
 
 class CNN(nn.Module):

@@ -104,6 +104,9 @@ class CallGuard:
         self.snapshot: StateSnapshot | _NotCaptured | None = \
             _NOT_CAPTURED if first_call else gm.meta.get(STATE_KEY)
         self.stamp = changes()
+        self.captures: list[str] = [] if first_call else ["at conversion"]
+        """Why each graph the module captured was made, oldest first (``explain`` lists
+        them)."""
         self.first_call = first_call
         """Captured at the first call, from its inputs: a call whose inputs do not fit the
         graph is captured again for them (:meth:`refit`)."""
@@ -134,6 +137,7 @@ class CallGuard:
             assert self.recapture is not None
             _refuse_while_tracing(gm)
             swap_cores(gm, self.recapture(gm, args, kwargs))  # the placeholder is dropped
+            self.captures.append("at the first call, from its inputs")
             self.watch = self.recapture.watch(gm)
             self.stamp = changes()
             self.snapshot = gm.meta.get(STATE_KEY)
@@ -242,18 +246,23 @@ class CallGuard:
         name = type(gm).__name__
         made = ", ".join(f"{n} dimension {d}" for n, d in sorted(wanted & dynamic))
         if made:
-            report_recapture(f"this {name} was called with another size ({what}), so it was "
+            self._report(f"this {name} was called with another size ({what}), so it was "
                              f"captured again with {made} dynamic; later sizes there reuse "
                              "that graph.")
         elif not fixed:
-            report_recapture(self._recaptured(name, what))
+            self._report(self._recaptured(name, what))
         if fixed:
-            report_recapture(
+            self._report(
                 f"{name} cannot take a symbolic size in "
                 + ", ".join(f"{n} dimension {d}" for n, d in sorted(fixed))
                 + f" (torch.export specialised it, or failed on it); the module keeps one "
                 f"graph per size there, the last {MAX_STATES}, and captures again for "
                 "others. Pad those inputs to a few fixed sizes.")
+
+    def _report(self, message: str) -> None:
+        """Log a capture (:attr:`captures`) and report it (:func:`report_recapture`)."""
+        self.captures.append(message.removeprefix("this "))
+        report_recapture(message)
 
     def _recaptured(self, name: str, what: str) -> str:
         return (f"this {name} was called with inputs its graph was not captured for ({what}), "
@@ -277,7 +286,7 @@ class CallGuard:
         ``gm`` held, and warn."""
         assert self.recapture is not None  # _refuse raised otherwise
         core = self.recapture(gm, args, kwargs, self.varying)
-        report_recapture(warning)
+        self._report(warning)
         self.cores.append(swap_cores(gm, core))
 
     def _refuse(self, gm: fx.GraphModule, what: list[str], state: bool = True,

@@ -376,3 +376,19 @@ def test_hf_generate_with_a_kv_cache_runs_the_converted_forward() -> None:
             with torch.autocast("cpu", torch.bfloat16):
                 expected = model.generate(ids, max_new_tokens=4, do_sample=False)
         assert tokens.shape == (1, length + 4) and torch.equal(tokens, expected), length
+
+
+def test_the_mode_is_the_models() -> None:
+    """``model.eval()`` switches the converted module as ``gm.eval()`` does, and ``gm.train()``
+    switches the model: one mode for the model and its view."""
+    torch.manual_seed(0)
+    model, x = CNN().train(), torch.randn(4, 3, 8, 8)
+    gm = amprewrite.convert(model, (x,), policy=PRESET)
+    model.eval()
+    out = gm(x)
+    assert not gm.training and torch.equal(out, _eager(model, x))  # running statistics
+    gm.train()
+    assert model.training and model.bn.training
+    before = model.bn.running_mean.clone()
+    gm(x)
+    assert not torch.equal(model.bn.running_mean, before)  # batch statistics, updated

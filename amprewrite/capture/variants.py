@@ -98,6 +98,10 @@ class CallGuard:
                  watch: ModelWatch | None, first_call: bool = False) -> None:
         # NB: ``on_change`` is one of ON_CHANGE: convert checks it before any capture.
         self.recapture = recapture
+        self.model = recapture.model if recapture is not None else None
+        """The model, whose mode the module follows (and sets: ``gm.train()``)."""
+        self.model_mode = None if self.model is None else self.model.training
+        """The model's ``training`` flag as last seen: a change is followed at the next call."""
         self.on_change = on_change
         self.watch = watch
         self.cores: list[fx.GraphModule] = []
@@ -117,15 +121,24 @@ class CallGuard:
 
     # -- the hot path ------------------------------------------------------------------------
     def holds(self, gm: fx.GraphModule) -> bool:
-        """Whether ``gm`` holds the graph for its mode and the model's state, as last seen.
+        """Whether ``gm`` holds the graph for its mode and the model's state, as last seen,
+        and the model's mode is as last seen (``model.eval()`` switches the converted module
+        too; a flag set on the converted module alone, as Lightning restores flags, is the
+        converted module's).
         NB: an int index: Dynamo on torch 2.11 cannot index a tuple with a bool."""
-        snapshot = self.snapshot
+        snapshot, model = self.snapshot, self.model
         return (gm.__dict__[MODES_ATTR][1 if gm.training else 0] is None
+                and (model is None or model.training is self.model_mode)
                 and self.stamp == changes()
                 and (snapshot is None or snapshot.holds()))
 
     def switched(self, gm: fx.GraphModule) -> None:
-        """``gm`` switched mode (``gm.train()``/``gm.eval()``): check its new graph's state."""
+        """``gm`` switched mode (``gm.train()``/``gm.eval()``): check its new graph's state,
+        and switch the model too (one mode for the model and its view)."""
+        if self.model is not None:
+            if self.model.training is not gm.training:
+                self.model.train(gm.training)
+            self.model_mode = gm.training
         if self.snapshot is not _NOT_CAPTURED:
             self.snapshot = gm.meta.get(STATE_KEY)
 
@@ -133,6 +146,8 @@ class CallGuard:
     def follow(self, gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -> None:
         """Make ``gm`` hold the graph of its mode and the model's current state (module
         docstring)."""
+        if self.model is not None and self.model.training is not self.model_mode:
+            gm.train(self.model.training)  # ``model.eval()`` / ``model.train()`` since
         if self.snapshot is _NOT_CAPTURED:
             assert self.recapture is not None
             _refuse_while_tracing(gm)

@@ -77,6 +77,32 @@ def test_no_grad_runs_the_fused_kernel_as_eager_autocast_does() -> None:
     assert torch.equal(got, want)
 
 
+class Projected(nn.Module):
+    """A Linear before the attention: under autocast its query arrives in bf16, where the
+    module's weights are fp32, so eager declines the fused kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(32, 32)
+        self.attention = nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return self.attention(h, h, h, need_weights=False)[0]
+
+
+def test_a_query_in_bf16_keeps_the_composite_ops_as_eager_does() -> None:
+    """The choice is made on the weights' dtype, as eager makes it, not on the query's."""
+    model = Projected().eval()
+    gm = amprewrite.convert(model, (X,), policy=PRESET)
+    with torch.no_grad():
+        want, eager_ops = _ops(lambda: _autocast(model))
+        got, ops = _ops(lambda: gm(X))
+    assert FUSED not in eager_ops and FUSED not in ops
+    assert torch.equal(got, want)
+
+
 def test_with_gradients_the_composite_ops_give_autocasts_outputs_and_gradients() -> None:
     model = Block().eval()
     ref = copy.deepcopy(model)

@@ -79,6 +79,10 @@ def _fuse(gm: fx.GraphModule, call: AttentionCall, low: torch.dtype) -> bool:
             activations[0].meta["val"].device.type != "cpu":
         return False  # (CPU autocast leaves another device's tensors as they are)
     query = activations[0]
+    # NB: eager's fast path wants the query in the dtype of the module's weights (fp32 master
+    # weights), not the captured query's: a bf16 query (a LayerNorm or Linear before it under
+    # autocast) makes eager decline the fused kernel
+    weight_dtype = gm.get_parameter(f"{call.path}.in_proj_weight").dtype
     name = _free_name(gm, "_amp_attention_" + call.path.replace(".", "_"))
     gm.add_submodule(name, _subgraph(region, inputs, outputs[0]).train(gm.training))
     out = outputs[0]
@@ -86,7 +90,7 @@ def _fuse(gm: fx.GraphModule, call: AttentionCall, low: torch.dtype) -> bool:
         composite = graph.get_attr(name)
         fused = graph.call_function(multi_head_attention, (
             composite, tuple(inputs), query, *weights, call.embed_dim, call.num_heads,
-            call.need_weights, call.average_attn_weights, query.meta["val"].dtype, low))
+            call.need_weights, call.average_attn_weights, weight_dtype, low))
     fused.meta.update({k: out.meta[k] for k in ("val", "nn_module_stack", "stack_trace")
                        if k in out.meta})
     # NB: passthrough for the other passes: its casts are made (the sub-graph's, and the

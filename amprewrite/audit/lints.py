@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
-from ..graph.meta import cast_info, decision
+from ..graph.meta import CONVERTED_KEY, cast_info, decision
 from ..graph.queries import cast_source
 from ..policy.opkey import op_key
 from ..runtime.weight_table import entry_nodes
@@ -73,13 +73,13 @@ def lint(gm: fx.GraphModule, *, grad_scaler: bool | None = None) -> list[Lint]:
     """
     meta = getattr(gm, "meta", None)
     if not isinstance(gm, fx.GraphModule) or not isinstance(meta, dict) \
-            or "amprewrite_policy" not in meta:
+            or CONVERTED_KEY not in meta:
         what = "a GraphModule not made by amprewrite.convert" if isinstance(gm, fx.GraphModule) \
             else type(gm).__name__
         raise TypeError(
             f"amprewrite.lint expects a GraphModule returned by amprewrite.convert, got {what}; "
             "convert first: amprewrite.lint(amprewrite.convert(model, example_inputs=(x,)))")
-    _, low = meta["amprewrite_policy"]
+    _, low = meta[CONVERTED_KEY]
     if grad_scaler is None:
         grad_scaler = low == torch.float16
     out = list(_constants(gm))

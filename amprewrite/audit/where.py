@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from ..capture.calling import generated_code
-from ..graph.meta import cast_info
+from ..graph.meta import CONVERTED_KEY, cast_info
 from ..graph.queries import module_paths
 from ..runtime.model_watch import own_global_hooks
 from ..runtime.weight_table import is_fetch
@@ -116,7 +116,7 @@ class Attribution:
         self._stack.append((module, path))
         meta = getattr(module, "meta", None)
         if isinstance(module, torch.fx.GraphModule) and isinstance(meta, dict) \
-                and "amprewrite_policy" in meta:
+                and CONVERTED_KEY in meta:
             code = generated_code(module)
             if code not in self._graphs:
                 self._graphs[code] = _GraphInfo(code.co_firstlineno,

@@ -15,12 +15,11 @@ import torch.nn as nn
 
 from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
 from ..runtime.weight_table import ungather_weights
+from ..graph.meta import CONVERTED_KEY
 from .symbolic import unshare_leaf_modules
 
 __all__ = ["CONVERTED_KEY", "MODEL_KEY", "is_converted", "capture_converted"]
 
-CONVERTED_KEY = "amprewrite_policy"
-"""``gm.meta[CONVERTED_KEY]``: set on every GraphModule that ``convert`` returns."""
 
 MODEL_KEY = "amprewrite_model"
 """``gm.meta[MODEL_KEY]``: the class name of the model ``convert`` was given (summaries)."""

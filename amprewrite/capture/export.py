@@ -51,7 +51,7 @@ from ..graph.queries import mutated
 from ..graph.subgraphs import inline_body
 from ..versions import check_transformers
 from .attention import ATTENTION_KEY, AttentionCall, AttentionCalls, has_attention
-from .checkpoints import TORCH_DIR, CheckpointSites
+from .checkpoints import CheckpointSites
 from .custom_functions import custom_functions_in
 from .layerdrop import DecidedDraws
 from .facts import GRAD_KEY, LIFTED_CONSTANTS, REGION_KEY, TRACED_IN_FP32, Region

@@ -11,7 +11,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import map_aggregate
 
-__all__ = ["fake_run", "fake_state", "graph_fake_mode", "val_of", "same_val", "concrete_meta"]
+__all__ = ["fake_run", "fake_state", "graph_fake_mode", "same_val", "concrete_meta"]
 
 
 def fake_state(module: torch.nn.Module, mode: Any) -> contextlib.AbstractContextManager:
@@ -26,10 +26,6 @@ def fake_state(module: torch.nn.Module, mode: Any) -> contextlib.AbstractContext
              [*module.named_parameters(remove_duplicate=False),
               *module.named_buffers(remove_duplicate=False)]}
     return torch.nn.utils.stateless._reparametrize_module(module, state, tie_weights=True)
-
-
-def val_of(x: Any) -> Any:
-    return map_aggregate(x, lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a)
 
 
 def fake_run(gm: fx.GraphModule, node: fx.Node) -> Any:

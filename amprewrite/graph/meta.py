@@ -24,10 +24,13 @@ from ..errors import AmpRewriteError
 from ..policy.tables import OpCategory
 
 __all__ = ["META_KEY", "Decision", "CastInfo", "Fp8Step", "PendingSplit", "tensor_meta",
-           "has_tensor_meta", "decision", "cast_info", "fp8_step", "pending_split", "RANGE_KEY",
-           "PIECES_KEY", "max_abs"]
+           "decision", "cast_info", "fp8_step", "pending_split", "RANGE_KEY",
+           "PIECES_KEY", "max_abs", "CONVERTED_KEY"]
 
 META_KEY = "amprewrite"
+CONVERTED_KEY = "amprewrite_policy"
+"""``gm.meta[CONVERTED_KEY]``: ``(policy, low dtype)``, set on every graph the passes
+converted (a module ``convert`` returns, each graph ``amprewrite.compile`` rewrote)."""
 RANGE_KEY = "amprewrite_max_abs"
 PIECES_KEY = "amprewrite_pieces"
 """``node.meta[PIECES_KEY]``: the op names of the decomposition of a composite op that
@@ -100,11 +103,6 @@ def tensor_meta(node: Any) -> torch.Tensor | None:
         )
     val = node.meta["val"]
     return val if isinstance(val, torch.Tensor) else None
-
-
-def has_tensor_meta(graph: torch.fx.Graph) -> bool:
-    """Whether every value-producing node of ``graph`` carries ``meta["val"]``."""
-    return all("val" in n.meta for n in graph.nodes if n.op not in ("output",))
 
 
 def decision(node: Node) -> Decision | None:

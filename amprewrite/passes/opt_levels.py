@@ -65,7 +65,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..capture.facts import GRAD_KEY
 from ..capture.guards import is_input_guards
-from ..graph.meta import META_KEY, CastInfo
+from ..graph.meta import CONVERTED_KEY, META_KEY, CastInfo
 from ..policy.policy import Policy
 from ..policy.opkey import op_key
 from ..policy.tables import NORM_OPS, OpCategory
@@ -108,8 +108,8 @@ def opt_level_of(gm: nn.Module) -> OptLevel | None:
         return None
     if OPT_LEVEL_KEY in meta:
         return meta[OPT_LEVEL_KEY]
-    if "amprewrite_policy" in meta:
-        return OptLevel("O1", meta["amprewrite_policy"][1])
+    if CONVERTED_KEY in meta:
+        return OptLevel("O1", meta[CONVERTED_KEY][1])
     return None
 
 

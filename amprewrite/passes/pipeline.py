@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import AmpRewriteError
-from ..graph.meta import cast_info, pending_split
+from ..graph.meta import CONVERTED_KEY, cast_info, pending_split
 from ..graph.queries import input_dtypes
 from ..policy.opkey import op_key
 from ..policy.policy import Policy
@@ -82,7 +82,7 @@ def run_passes(gm: fx.GraphModule, policy: Policy, dtype: torch.dtype, *,
     report.inserted = len(casts)
     report.guarded = sum(1 for n in casts if cast_info(n).guarded)
     if mark_converted:
-        gm.meta["amprewrite_policy"] = (policy, dtype)
+        gm.meta[CONVERTED_KEY] = (policy, dtype)
     gm.graph.lint()
     gm.recompile()
     return gm

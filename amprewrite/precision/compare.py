@@ -37,7 +37,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from ..explain import short_dtype
-from ..graph.meta import decision
+from ..graph.meta import CONVERTED_KEY, decision
 from .shadow import (
     Run,
     headroom_bits,
@@ -180,7 +180,7 @@ def compare(gm: fx.GraphModule, model: nn.Module, example_inputs: Any, *,
     in training mode) draw different ones in each; put the model in ``eval()`` mode.
     """
     inputs = _check_args(gm, model, example_inputs, example_kwargs, reference_dtype, loss_fn)
-    low = gm.meta["amprewrite_policy"][1]
+    low = gm.meta[CONVERTED_KEY][1]
     capture = "export" if hasattr(gm, "_in_spec") else "symbolic"
     ref_gm, ref_args, ref_kwargs = reference_module(model, inputs, example_kwargs,
                                                     reference_dtype, capture)
@@ -264,7 +264,7 @@ def _grads(loss: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor 
 def _check_args(gm: Any, model: Any, example_inputs: Any, example_kwargs: Any,
                 reference_dtype: Any, loss_fn: Any) -> tuple:
     """The example inputs as a tuple, after checking every argument of :func:`compare`."""
-    if not isinstance(gm, fx.GraphModule) or "amprewrite_policy" not in gm.meta:
+    if not isinstance(gm, fx.GraphModule) or CONVERTED_KEY not in gm.meta:
         raise TypeError(f"amprewrite.compare: gm must be the GraphModule amprewrite.convert "
                         f"returned, got {type(gm).__name__}; call "
                         "compare(amprewrite.convert(model, inputs), model, inputs).")

@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from ..convert import convert, resolve_dtype
 from ..errors import AmpRewriteError
-from ..graph.meta import decision
+from ..graph.meta import CONVERTED_KEY, decision
 from ..policy.policy import Policy
 from ..policy.tables import OpCategory
 from .compare import node_errors
@@ -175,7 +175,7 @@ def _start(model: nn.Module, inputs: tuple, kwargs: dict[str, Any] | None,
     """
 
     gm = convert(model, inputs, example_kwargs=kwargs, policy=trials.start)
-    low = gm.meta["amprewrite_policy"][1]
+    low = gm.meta[CONVERTED_KEY][1]
     capture = "export" if hasattr(gm, "_in_spec") else "symbolic"
     ref_gm, ref_args, ref_kwargs = reference_module(model, inputs, kwargs, torch.float64,
                                                     capture)

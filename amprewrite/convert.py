@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
 import warnings
@@ -34,44 +35,31 @@ from .capture.persistence import match_persistence
 from .capture.reads import (Reads, note_leaf_modules, recording_reads, restore_classes,
                             restore_writes)
 from .capture.state import preserved_global_state
-from .capture.variants import GUARD_ATTR, ON_CHANGE, STATE_KEY, CallGuard
+from .capture.variants import GUARD_ATTR, STATE_KEY, CallGuard
 from .capture.symbolic import capture_symbolic, propagate_meta
-from .errors import AmpRewriteError
+from .errors import AmpRewriteError, user_stacklevel
 from .capture.calling import finish
 from .capture.model_view import adopt_model
 from .graph.inputs import record_inputs
 from .graph.meta import META_KEY
 from .graph.queries import module_paths
-from .hardware import model_device, warn_if_slow
+from .hardware import model_device
 from .passes.attention import fast_path_attention
-from .passes.calibrate import CalibrationInput, check_calibrate, record_ranges
+from .passes.calibrate import record_ranges
 from .passes.gather_weights import gather_weights
 from .passes.opt_levels import (
     OPT_LEVEL_KEY,
     OptLevel,
     apply_opt_level,
-    check_opt_level,
     low_precision_twin,
 )
 from .passes.pipeline import run_passes
-from .policy.policy import Policy, check_low_dtype
+from .options import ConvertOptions, resolve_dtype
+from .policy.policy import Policy
 from .runtime.model_watch import WATCH_ATTR, ModelWatch, share_tensor_dicts, watch_model
 from .capture.snapshot import StateSnapshot
 
 __all__ = ["convert", "resolve_dtype"]
-
-_CAPTURES = ("auto", "symbolic", "export")
-
-
-def resolve_dtype(model: nn.Module, policy: Policy, dtype: torch.dtype | None) -> torch.dtype:
-    """``dtype`` argument > the policy's dtype > fp16 for a model on CUDA, bf16 otherwise."""
-    if dtype is not None:
-        return check_low_dtype(dtype, "amprewrite.convert")
-    if policy.dtype is not None:
-        return policy.dtype
-    first = next(iter(model.parameters()), None)
-    return torch.float16 if first is not None and first.is_cuda else torch.bfloat16
-
 
 def convert(
     model: nn.Module,
@@ -137,44 +125,17 @@ def convert(
     (replaced ones included), and each call checks that the Python state the capture read
     still holds (``on_change``).
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"amprewrite.convert expects a torch.nn.Module, got "
-                        f"{type(model).__name__}; wrap functions in an nn.Module first.")
-    if example_inputs is not None and not isinstance(example_inputs, tuple):
-        raise TypeError(
-            f"amprewrite.convert: example_inputs must be a tuple of positional arguments, got "
-            f"{type(example_inputs).__name__}; for one input write example_inputs=(x,).")
-    if example_kwargs is not None and not isinstance(example_kwargs, dict):
-        raise TypeError(f"amprewrite.convert: example_kwargs must be a dict, got "
-                        f"{type(example_kwargs).__name__}")
-    if capture not in _CAPTURES:
-        raise ValueError(f"amprewrite.convert: capture={capture!r} is unknown; expected one of "
-                         f"{', '.join(map(repr, _CAPTURES))}")
-    if policy is None:
-        policy = Policy()
-    if not isinstance(policy, Policy):
-        raise TypeError(f"amprewrite.convert: policy must be an amprewrite.Policy, got "
-                        f"{type(policy).__name__}")
-    check_opt_level(opt_level, policy, dtype)
-    calibration = check_calibrate(calibrate, model, opt_level)
-    low = resolve_dtype(model, policy, dtype)
-    if on_change not in ON_CHANGE:
-        raise ValueError(f"amprewrite.convert: on_change={on_change!r} is unknown; expected "
-                         f"{' or '.join(map(repr, ON_CHANGE))}")
-    if policy.fp8_rules is not None and low is not torch.bfloat16:
-        raise ValueError(f"amprewrite.convert: dtype={low} was given with Policy.fp8(...), whose "
-                         "fp8 matmuls write bf16 and whose other ops run in bf16. Drop dtype=...")
-    if opt_level != "O0":
-        warn_if_slow(model_device(model, example_inputs, example_kwargs), low)
+    options = ConvertOptions.checked(
+        model, example_inputs, example_kwargs, policy=policy, dtype=dtype, capture=capture,
+        opt_level=opt_level, calibrate=calibrate, on_change=on_change)
     first_call = capture == "export" and example_inputs is None and example_kwargs is None
-    recapture = _Recapture(model, policy, low, capture, opt_level, calibration,
-                           has_inputs=first_call or example_inputs is not None
+    recapture = _Recapture(model, options, has_inputs=first_call or example_inputs is not None
                            or example_kwargs is not None)
     if first_call:
-        return _placeholder(model, policy, low, opt_level, recapture, on_change)
+        return _placeholder(model, options, recapture)
     gm = recapture.capture(example_inputs, example_kwargs)
     gm.__dict__[GUARD_ATTR] = CallGuard(gm, None if is_converted(model) else recapture,
-                                        on_change, recapture.watch(gm))
+                                        options.on_change, recapture.watch(gm))
     if not is_converted(model):
         # NB: the capture's signature stays: it names the example's inputs, which Trainer
         # then passes (and no loss kwargs the example did not have)
@@ -182,15 +143,17 @@ def convert(
     return gm
 
 
-def _placeholder(model: nn.Module, policy: Policy, low: torch.dtype, opt_level: str,
-                 recapture: _Recapture, on_change: str) -> fx.GraphModule:
+def _placeholder(model: nn.Module, options: ConvertOptions, recapture: _Recapture
+                 ) -> fx.GraphModule:
     """The module of ``convert(model, capture="export")`` without example inputs, captured at
     its first call (:mod:`.capture.first_call`)."""
-    meta: dict[str, Any] = {CONVERTED_KEY: (policy, low), MODEL_KEY: type(model).__name__}
-    if opt_level != "O1":
-        meta[OPT_LEVEL_KEY] = OptLevel(opt_level, None if opt_level == "O0" else low)
-    gm = finish(placeholder_module(model, meta, o2=opt_level == "O2"))
-    gm.__dict__[GUARD_ATTR] = CallGuard(gm, recapture, on_change, None, first_call=True)
+    level, low = options.opt_level, options.low
+    meta: dict[str, Any] = {CONVERTED_KEY: (options.policy, low),
+                            MODEL_KEY: type(model).__name__}
+    if level != "O1":
+        meta[OPT_LEVEL_KEY] = OptLevel(level, None if level == "O0" else low)
+    gm = finish(placeholder_module(model, meta, o2=level == "O2"))
+    gm.__dict__[GUARD_ATTR] = CallGuard(gm, recapture, options.on_change, None, first_call=True)
     adopt_model(gm, model)  # ``(*args, **kwargs)`` until then: the model's signature
     return gm
 
@@ -200,15 +163,11 @@ class _Recapture:
     arguments, and the call's inputs where the capture needs inputs (:mod:`.capture.variants`).
     A class, not a closure, so that a deep copy of the module copies the model with it."""
 
-    def __init__(self, model: nn.Module, policy: Policy, low: torch.dtype, capture: str,
-                 opt_level: str, calibration: list[CalibrationInput] | None,
-                 has_inputs: bool) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, options: ConvertOptions, has_inputs: bool) -> None:
+        self.model, self.options = model, options
         self.has_inputs = has_inputs
         """Whether a capture takes the call's inputs: convert's capture did (example inputs),
         or is to be made at the first call."""
-        self.policy, self.low, self.capture_path = policy, low, capture
-        self.opt_level, self.calibration = opt_level, calibration
 
     def __call__(self, gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any],
                  varying: DynamicDims = frozenset()) -> fx.GraphModule:
@@ -225,20 +184,19 @@ class _Recapture:
         model = self.model
         with CAPTURE_LOCK.writing(), outside_modes(), preserved_global_state(), \
                 quiet_capture_logs():
-            core = _capture_and_rewrite(model, args, kwargs, self.policy, self.low,
-                                        self.capture_path, self.opt_level, self.calibration,
-                                        root=root, varying=varying)
-            if self.opt_level != "O3":  # O3 runs on its own copy of the model: nothing shared
+            core = _capture_and_rewrite(model, args, kwargs, self.options, root=root,
+                                        varying=varying)
+            if self.options.opt_level != "O3":  # O3 runs on its own copy of the model: nothing shared
                 share_tensor_dicts(core, model)
                 relink_modes(core)  # the weight tables read the shared dicts
-        _record_inputs(core, model, args, kwargs, self.capture_path)
+        _record_inputs(core, model, args, kwargs, self.options.capture)
         core.meta.setdefault(MODEL_KEY, type(model).__name__)  # a converted module keeps its name
         return finish(core)
 
     def watch(self, gm: fx.GraphModule) -> ModelWatch | None:
         """The watch over the model's hooks and tensor slots, made once ``gm`` holds the
         model's tensors (at conversion, or at the first call)."""
-        if self.opt_level != "O3":
+        if self.options.opt_level != "O3":
             watch_model(gm, self.model)
         return gm.__dict__.get(WATCH_ATTR)
 
@@ -270,29 +228,27 @@ class _ModePair:
 
 
 def _capture_and_rewrite(model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None,
-                         policy: Policy, low: torch.dtype, capture: str, opt_level: str,
-                         calibration: list[CalibrationInput] | None = None,
-                         root: fx.GraphModule | None = None,
+                         options: ConvertOptions, root: fx.GraphModule | None = None,
                          varying: DynamicDims = frozenset()) -> fx.GraphModule:
     """The graph of the mode ``model`` is in; the other mode is captured when the module is
     first switched to it (see :mod:`.capture.modes`), or now where an override names nothing
     in the first mode's capture (it may name something in the other's). ``root``: the
     converted module whose root tensors a capture for a new state shares."""
-    if opt_level == "O3" and not is_converted(model):
-        model = low_precision_twin(model, low)  # O3 owns low-precision copies of everything
+    if options.opt_level == "O3" and not is_converted(model):
+        # O3 owns low-precision copies of everything
+        model = low_precision_twin(model, options.low)
     pair = _ModePair(root, varying)
-    main = _capture_one(model, args, kwargs, policy, low, capture, opt_level, calibration, pair)
+    main = _capture_one(model, args, kwargs, options, pair)
     assert main is not None  # the first mode is never the same code as another
     training = not main.meta[MODE_KEY]
-    other: _OtherMode | None = _OtherMode(model, args, kwargs, policy, low, capture, opt_level,
-                                          calibration, pair.main_code, varying)
+    other: _OtherMode | None = _OtherMode(model, args, kwargs, options, pair.main_code, varying)
     if is_converted(model) and model.__dict__.get(MODES_ATTR, (None, None))[training] is None:
         other = None  # one graph serves both modes of the converted input
     attach_modes(main, other)
-    if other is not None and any(_override_misses(pair, policy)):
+    if other is not None and any(_override_misses(pair, options.policy)):
         attach_modes(main, other.capture(main, training, pair))
     if root is None:  # a new state's capture: the names were checked at conversion
-        _check_override_names(pair, policy)
+        _check_override_names(pair, options.policy)
     return main
 
 
@@ -303,12 +259,10 @@ class _OtherMode(PendingMode):
     captures from a model holding its own tensors)."""
 
     def __init__(self, model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None,
-                 policy: Policy, low: torch.dtype, capture: str, opt_level: str,
-                 calibration: list[CalibrationInput] | None, main_code: str,
+                 options: ConvertOptions, main_code: str,
                  varying: DynamicDims = frozenset()) -> None:
         self.model, self.args, self.kwargs, self.varying = model, args, kwargs, varying
-        self.policy, self.low, self.capture_path = policy, low, capture
-        self.opt_level, self.calibration, self.main_code = opt_level, calibration, main_code
+        self.options, self.main_code = options, main_code
 
     def capture(self, main: fx.GraphModule, training: bool,
                 pair: _ModePair | None = None) -> fx.GraphModule | None:
@@ -321,13 +275,12 @@ class _OtherMode(PendingMode):
         if other is None:
             return None
         if NOT_CAPTURED_KEY not in other.meta:
-            _record_inputs(other, self.model, self.args, self.kwargs, self.capture_path)
+            _record_inputs(other, self.model, self.args, self.kwargs, self.options.capture)
         return finish(other)
 
     def _capture(self, main: fx.GraphModule, training: bool,
                  pair: _ModePair) -> fx.GraphModule | None:
-        model, options = self.model, (self.args, self.kwargs, self.policy, self.low,
-                                      self.capture_path, self.opt_level, self.calibration, pair)
+        model, inputs = self.model, (self.args, self.kwargs, self.options, pair)
         if is_converted(model):  # the converted input's graph of that mode
             source = model if model.meta.get(MODE_KEY) == training else \
                 captured_mode(model, training)  # type: ignore[arg-type]
@@ -335,68 +288,63 @@ class _OtherMode(PendingMode):
                 return None
             if NOT_CAPTURED_KEY in source.meta:
                 return not_captured_graph(main, training, source.meta[NOT_CAPTURED_KEY])
-            return _capture_one(source, *options)
+            return _capture_one(source, *inputs)
         try:
             with in_mode(model, training):
-                return _capture_one(model, *options)
+                return _capture_one(model, *inputs)
         except Exception as exc:
             other = not_captured_graph(main, training, exc)
             warnings.warn(
                 f"amprewrite: {type(model).__name__} could not be captured in "
                 f"{mode_name(training)} mode ({other.meta[NOT_CAPTURED_KEY]}); the converted "
                 f"module runs in {mode_name(not training)} mode only, and raises if called "
-                f"after gm.{mode_name(training)}().", stacklevel=6)
+                f"after gm.{mode_name(training)}().", stacklevel=user_stacklevel())
             return other
 
 
 def _capture_one(model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None,
-                 policy: Policy, low: torch.dtype, capture: str, opt_level: str,
-                 calibration: list[CalibrationInput] | None, pair: _ModePair
-                 ) -> fx.GraphModule | None:
+                 options: ConvertOptions, pair: _ModePair) -> fx.GraphModule | None:
     """One mode's converted graph (the mode ``model`` is in); None where it is the code of
     the first mode's (``pair.main``)."""
     has_inputs = args is not None or kwargs is not None
     if is_converted(model):
         # NB: re-capturing would lose what only the nodes' meta holds (the model's own
         # autocast regions, the decisions), so converting twice could cast more.
-        return _rewrite(capture_converted(model), model, policy, low, opt_level, None,  # type: ignore[arg-type]
-                        pair)
-    if capture == "export" or (capture == "auto" and has_inputs):
-        return _export_and_rewrite(model, args or (), kwargs, policy, low, opt_level,
-                                   calibration, pair)
+        return _rewrite(capture_converted(model), model,  # type: ignore[arg-type]
+                        dataclasses.replace(options, calibration=None), pair)
+    if options.capture == "export" or (options.capture == "auto" and has_inputs):
+        return _export_and_rewrite(model, args or (), kwargs, options, pair)
     gm = _recorded(model, lambda: capture_symbolic(model))
     if has_inputs:
         propagate_meta(gm, args or (), kwargs)
-    return _rewrite(gm, model, policy, low, opt_level, calibration, pair)
+    return _rewrite(gm, model, options, pair)
 
 
 def _export_and_rewrite(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
-                        policy: Policy, low: torch.dtype, opt_level: str,
-                        calibration: list[CalibrationInput] | None,
-                        pair: _ModePair) -> fx.GraphModule | None:
+                        options: ConvertOptions, pair: _ModePair) -> fx.GraphModule | None:
     """Export with dynamic dimensions (:func:`~.capture.export.dynamic_dims`) and rewrite;
     if either fails under symbolic sizes (some ATen meta kernels reject them), export again
     with the example's static shapes."""
-    regime = _regime(model, args, kwargs, policy, low, opt_level)
-    faithful = opt_level != "O0"
+    regime = _regime(model, args, kwargs, options)
+    faithful = options.opt_level != "O0"
     if dynamic_shapes(model, args, kwargs, pair.varying) is None:  # one static export
         gm = _recorded_export(model, args, kwargs, regime, False, faithful)
-        return _rewrite(gm, model, policy, low, opt_level, calibration, pair)
+        return _rewrite(gm, model, options, pair)
     try:
         gm = _recorded_export(model, args, kwargs, regime, True, faithful, pair.varying)
     except AmpRewriteError as exc:
         dynamic_error: Exception = exc
     else:
         if not _has_symbolic_shapes(gm):
-            return _rewrite(gm, model, policy, low, opt_level, calibration, pair)
+            return _rewrite(gm, model, options, pair)
         try:
-            return _rewrite(gm, model, policy, low, opt_level, calibration, pair)
+            return _rewrite(gm, model, options, pair)
         except (ValueError, TypeError):
             raise  # the user's input is wrong: shapes have nothing to do with it
         except Exception as exc:
             dynamic_error = exc
     gm = _recorded_export(model, args, kwargs, regime, False, faithful)
-    converted = _rewrite(gm, model, policy, low, opt_level, calibration, pair)
+    converted = _rewrite(gm, model, options, pair)
     if pair.varying:  # a capture at a call: its RecaptureWarning names the dimensions
         return converted
     warnings.warn(
@@ -404,7 +352,7 @@ def _export_and_rewrite(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
         f"shapes ({type(dynamic_error).__name__}: {str(dynamic_error).splitlines()[0]}); it was "
         "converted for the example inputs' shapes, and a call with other sizes is captured "
         "again for them, one graph per size. Convert again with example inputs of the sizes "
-        "you will run most.", stacklevel=3)
+        "you will run most.", stacklevel=user_stacklevel())
     return converted
 
 
@@ -450,11 +398,12 @@ def _check_seen(reads: Reads, model: nn.Module) -> None:
             "amprewrite.compile(model).", stacklevel=4)
 
 
-def _rewrite(gm: fx.GraphModule, model: nn.Module, policy: Policy, low: torch.dtype,
-             opt_level: str, calibration: list[CalibrationInput] | None,
-             pair: _ModePair) -> fx.GraphModule | None:
-    """The passes of ``opt_level`` on a fresh capture ``gm`` of ``model``. The capture of the
+def _rewrite(gm: fx.GraphModule, model: nn.Module, options: ConvertOptions, pair: _ModePair
+             ) -> fx.GraphModule | None:
+    """The passes of the opt level on a fresh capture ``gm`` of ``model``. The capture of the
     second mode reads the first's tensors (:func:`share_state`); None if it is the same code."""
+    policy, low, opt_level = options.policy, options.low, options.opt_level
+    calibration = options.calibration
     gm.meta.pop(META_KEY, None)
     gm.meta.setdefault(MODE_KEY, model.training)
     code = gm.code
@@ -488,10 +437,11 @@ def _join_states(main: fx.GraphModule, same: fx.GraphModule) -> None:
         main.meta[STATE_KEY] = mine.union(theirs)
 
 
-def _regime(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, policy: Policy,
-            low: torch.dtype, opt_level: str) -> Regime | None:
+def _regime(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
+            options: ConvertOptions) -> Regime | None:
     """The ``torch.autocast`` to trace the model under, so that the dtypes its Python code
     reads off tensors are the ones the converted graph computes (see :mod:`._export`)."""
+    policy, low, opt_level = options.policy, options.low, options.opt_level
     if opt_level == "O0":
         return None
     device = model_device(model, args, kwargs).type

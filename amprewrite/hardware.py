@@ -103,15 +103,16 @@ def slow_reason(device: torch.device | str, dtype: torch.dtype) -> str | None:
     return None
 
 
-def warn_if_slow(device: torch.device | str, dtype: torch.dtype) -> None:
-    """Warn once per process and (device, dtype) when ``dtype`` has no fast path there."""
+def warn_if_slow(device: torch.device | str, dtype: torch.dtype, stacklevel: int = 3) -> None:
+    """Warn once per process and (device, dtype) when ``dtype`` has no fast path there;
+    ``stacklevel`` as ``warnings.warn`` counts it from here (3: the caller's caller)."""
     reason = slow_reason(device, dtype)
     key = (describe(device), dtype)
     if reason is None or key in _WARNED:
         return
     _WARNED.add(key)
     warnings.warn(f"amprewrite.convert: {_short(dtype)} on {torch.device(device)}: {reason}.",
-                  stacklevel=3)
+                  stacklevel=stacklevel)
 
 
 def _short(dtype: torch.dtype) -> str:

@@ -378,17 +378,23 @@ def test_hf_generate_with_a_kv_cache_runs_the_converted_forward() -> None:
         assert tokens.shape == (1, length + 4) and torch.equal(tokens, expected), length
 
 
-def test_the_mode_is_the_models() -> None:
-    """``model.eval()`` switches the converted module as ``gm.eval()`` does, and ``gm.train()``
-    switches the model: one mode for the model and its view."""
+def test_the_mode_follows_the_models_switches() -> None:
+    """``model.eval()`` / ``model.train()`` switch the converted module at its next call, as
+    ``gm.eval()`` / ``gm.train()`` do; ``gm.eval()`` leaves the model's flags as they are
+    (the user's model is not changed), and a flag set on the converted module alone (as
+    Lightning restores flags) stays its own until the model switches again."""
     torch.manual_seed(0)
     model, x = CNN().train(), torch.randn(4, 3, 8, 8)
     gm = amprewrite.convert(model, (x,), policy=PRESET)
     model.eval()
     out = gm(x)
     assert not gm.training and torch.equal(out, _eager(model, x))  # running statistics
-    gm.train()
-    assert model.training and model.bn.training
+    model.train()
     before = model.bn.running_mean.clone()
     gm(x)
-    assert not torch.equal(model.bn.running_mean, before)  # batch statistics, updated
+    assert gm.training and not torch.equal(model.bn.running_mean, before)  # batch statistics
+    gm.eval()
+    assert model.training and model.bn.training
+    gm.training = True  # set by hand, as Lightning restores flags
+    gm(x)
+    assert gm.training

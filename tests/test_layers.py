@@ -9,7 +9,7 @@ Layers, lowest first (docs/how-it-works.md shows the same map)::
     graph                facts about nodes shared by capture, passes and tools
     capture              model -> GraphModule
     passes               the graph rewrite
-    convert              the entry point that runs capture and passes
+    convert, options     the entry point that runs capture and passes; its options, checked
     compile_backend      the torch.compile backend (runs the passes on Dynamo graphs)
     summary              the first lines of explain, audit and demo
     explain              the decisions of a converted graph, as a table
@@ -37,7 +37,7 @@ LAYERS = [
     {"graph"},
     {"capture"},
     {"passes"},
-    {"convert"},
+    {"convert", "options"},
     {"compile_backend"},
     {"summary", "code_view"},
     {"explain"},

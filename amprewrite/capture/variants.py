@@ -99,7 +99,7 @@ class CallGuard:
         # NB: ``on_change`` is one of ON_CHANGE: convert checks it before any capture.
         self.recapture = recapture
         self.model = recapture.model if recapture is not None else None
-        """The model, whose mode the module follows (and sets: ``gm.train()``)."""
+        """The model, whose switches of mode (``model.eval()``) the module follows."""
         self.model_mode = None if self.model is None else self.model.training
         """The model's ``training`` flag as last seen: a change is followed at the next call."""
         self.on_change = on_change
@@ -133,12 +133,11 @@ class CallGuard:
                 and (snapshot is None or snapshot.holds()))
 
     def switched(self, gm: fx.GraphModule) -> None:
-        """``gm`` switched mode (``gm.train()``/``gm.eval()``): check its new graph's state,
-        and switch the model too (one mode for the model and its view)."""
+        """``gm`` switched mode (``gm.train()``/``gm.eval()``, its own: the model's flags are
+        left as they are): check its new graph's state; a later switch of the model's is
+        followed from here."""
         if self.model is not None:
-            if self.model.training is not gm.training:
-                self.model.train(gm.training)
-            self.model_mode = gm.training
+            self.model_mode = self.model.training
         if self.snapshot is not _NOT_CAPTURED:
             self.snapshot = gm.meta.get(STATE_KEY)
 

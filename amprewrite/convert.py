@@ -186,7 +186,7 @@ class _Recapture:
                 quiet_capture_logs():
             core = _capture_and_rewrite(model, args, kwargs, self.options, root=root,
                                         varying=varying)
-            if self.options.opt_level != "O3":  # O3 runs on its own copy of the model: nothing shared
+            if self.options.opt_level != "O3":  # O3 runs on its own copy: nothing shared
                 share_tensor_dicts(core, model)
                 relink_modes(core)  # the weight tables read the shared dicts
         _record_inputs(core, model, args, kwargs, self.options.capture)

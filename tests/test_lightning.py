@@ -235,8 +235,8 @@ def _ragged() -> list[dict[str, torch.Tensor]]:
 def test_keyword_calls_with_a_new_length_every_step_match_bf16_mixed_bitwise() -> None:
     ours, theirs = TokenTagger(), TokenTagger()
     runs = []
-    for module, options in ((ours, {"plugins": [AmpPrecision(
-            policy=amprewrite.Policy.autocast("cpu", bf16))]}), (theirs, {"precision": "bf16-mixed"})):
+    plugin = AmpPrecision(policy=amprewrite.Policy.autocast("cpu", bf16))
+    for module, options in ((ours, {"plugins": [plugin]}), (theirs, {"precision": "bf16-mixed"})):
         L.seed_everything(0, verbose=False)
         run = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,

@@ -222,7 +222,7 @@ class CallGuard:
         what = "; ".join(line.strip() for line in message.splitlines()[1:]
                          if line.startswith("  ")) or "other inputs"
         wanted = frozenset(dims or ()) - self.fixed_dims
-        if dims and not scalars:  # never refused: a size the model specialises evicts the oldest graph
+        if dims and not scalars:  # never refused: a size the model fixes evicts the oldest graph
             self._refuse(gm, [what], state=False, bound=False)
             if len(self.cores) + 1 >= MAX_STATES:
                 self.cores.pop(0)

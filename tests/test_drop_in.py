@@ -93,6 +93,26 @@ def test_twenty_lengths_train_bitwise_with_one_recapture(route: str) -> None:
     assert "input_ids dimension 1" in listed and listed.count("\n  ") == 2
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_the_same_loop_under_amprewrite_compile() -> None:
+    """``amprewrite.compile`` (Dynamo's guards and automatic dynamic sizes) on the padding
+    collator's lengths: bitwise with autocast, losses and gradients, in two graphs."""
+    torch.manual_seed(0)
+    model, twin = Tokens(), Tokens()
+    twin.load_state_dict(model.state_dict())
+    compiled = amprewrite.compile(model, policy=PRESET, eager=True)
+    for step, length in enumerate([7, 5, 9] + list(range(10, 20))):
+        loss = compiled(**_batch(length, seed=step))
+        ref = _eager(twin, **_batch(length, seed=step))
+        assert torch.equal(loss, ref), length
+        loss.backward()
+        ref.backward()
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad), (length, name)
+        model.zero_grad()
+        twin.zero_grad()
+
+
 class CNN(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -63,6 +63,22 @@ def _recaptures(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, RecaptureWarning)]
 
 
+def _train_lengths(module: nn.Module, model: nn.Module, twin: nn.Module,
+                   lengths: list[int]) -> None:
+    """Steps of ``module`` (which trains ``model``) on batches of each length, each loss and
+    gradient bitwise with ``twin``'s under eager autocast."""
+    for step, length in enumerate(lengths):
+        loss = module(**_batch(length, seed=step))
+        ref = _eager(twin, **_batch(length, seed=step))
+        assert torch.equal(loss, ref), length
+        loss.backward()
+        ref.backward()
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad), (length, name)
+        model.zero_grad()
+        twin.zero_grad()
+
+
 @pytest.mark.parametrize("route", ["keywords", "first_call"])
 def test_twenty_lengths_train_bitwise_with_one_recapture(route: str) -> None:
     """A padding collator's batches: 20 sequence lengths, the loss and every gradient bitwise
@@ -76,16 +92,7 @@ def test_twenty_lengths_train_bitwise_with_one_recapture(route: str) -> None:
             gm = amprewrite.convert(model, (), example_kwargs=_batch(7), policy=PRESET)
         else:
             gm = amprewrite.convert(model, capture="export", policy=PRESET)
-        for step, length in enumerate([7, 5, 9] + list(range(10, 27))):
-            loss = gm(**_batch(length, seed=step))
-            ref = _eager(twin, **_batch(length, seed=step))
-            assert torch.equal(loss, ref), length
-            loss.backward()
-            ref.backward()
-            for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-                assert torch.equal(p.grad, q.grad), (length, name)
-            model.zero_grad()
-            twin.zero_grad()
+        _train_lengths(gm, model, twin, [7, 5, 9] + list(range(10, 27)))
     recaptures = _recaptures(caught)
     assert len(recaptures) == 1, recaptures
     assert "input_ids dimension 1" in recaptures[0] and "dynamic" in recaptures[0]
@@ -101,16 +108,9 @@ def test_the_same_loop_under_amprewrite_compile() -> None:
     model, twin = Tokens(), Tokens()
     twin.load_state_dict(model.state_dict())
     compiled = amprewrite.compile(model, policy=PRESET, eager=True)
-    for step, length in enumerate([7, 5, 9] + list(range(10, 20))):
-        loss = compiled(**_batch(length, seed=step))
-        ref = _eager(twin, **_batch(length, seed=step))
-        assert torch.equal(loss, ref), length
-        loss.backward()
-        ref.backward()
-        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-            assert torch.equal(p.grad, q.grad), (length, name)
-        model.zero_grad()
-        twin.zero_grad()
+    torch._dynamo.utils.counters.clear()
+    _train_lengths(compiled, model, twin, [7, 5, 9] + list(range(10, 20)))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
 class CNN(nn.Module):

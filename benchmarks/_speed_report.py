@@ -48,6 +48,21 @@ def _joined(names: list[str]) -> str:
     return "/".join(SHORT[n] for n in names)
 
 
+GAIN_FLOOR = 1.10
+"""O3's speed over autocast from which a row gets a share of O3's gain: below it the gain is
+within the rounds' noise and a share would be a ratio of two noises."""
+
+
+def share_of_o3_gain(row: Row, name: str) -> float | None:
+    """What part of O3's gain over autocast ``name`` captures, by median ratios of one run:
+    ``(name vs ac - 1) / (O3 vs ac - 1)`` (1: all of it; 0: none; negative: slower than
+    autocast); None where O3 gains less than :data:`GAIN_FLOOR` or a variant is missing."""
+    o3, own = row.vs_autocast.get("O3"), row.vs_autocast.get(name)
+    if o3 is None or own is None or o3 < GAIN_FLOOR:
+        return None
+    return (own - 1.0) / (o3 - 1.0)
+
+
 def speed_table(rows: list[Row], variants: list[str]) -> str:
     from tabulate import tabulate
 
@@ -55,13 +70,22 @@ def speed_table(rows: list[Row], variants: list[str]) -> str:
         return ""
     shown = [n for n in ("fp32", "autocast") if n in variants]
     ratios = [n for n in VARIANTS if n in variants and n != "autocast"]
+    shares = [n for n in ratios if n not in ("fp32", "O3")] if "O3" in variants else []
     bitwise = "preset" in variants
+
+    def share(row: Row) -> str:
+        found = [share_of_o3_gain(row, n) for n in shares]
+        return " / ".join("-" if v is None else f"{v:.0%}" for v in found)
+
     return tabulate(
         [[r.model, r.shape, r.phase, r.rounds]
          + [_value(r, n, r.ms, lambda v: f"{v:.2f}") for n in shown]
-         + [_ratio(r, n) for n in ratios] + ([r.bitwise] if bitwise else []) for r in rows],
+         + [_ratio(r, n) for n in ratios] + ([share(r)] if shares else [])
+         + ([r.bitwise] if bitwise else []) for r in rows],
         headers=["model", "shape", "phase", "rounds"] + [f"{n} ms" for n in shown]
-        + [f"{n} vs ac" for n in ratios] + (["preset == ac"] if bitwise else []),
+        + [f"{n} vs ac" for n in ratios]
+        + ([f"share of O3's gain {_joined(shares)}"] if shares else [])
+        + (["preset == ac"] if bitwise else []),
         tablefmt="github")
 
 
@@ -153,9 +177,13 @@ def _explanation(opts: Options) -> str:
         "(autocast's numerics; `preset == ac` compares the inference outputs bitwise, else "
         "gives their largest difference); `default` `Policy(dtype=...)` (CUDA AMP rules, "
         "shared activation casts); `O2` `opt_level=\"O2\"` (stored low-precision copies of "
-        "fp32 master weights; norms read their fp32 masters, on the low-precision input "
+        "fp32 master weights, rewritten only after their masters were written; embedding "
+        "lookups and norms read their fp32 masters, norms on the low-precision input "
         "where the device's kernel takes it, else in fp32); `O3` `opt_level=\"O3\"` "
-        "(everything in low precision, on its own low-precision weights); `cached` `preset` run inside "
+        "(everything in low precision, on its own low-precision weights); `share of O3's "
+        "gain` is `(X vs ac - 1) / (O3 vs ac - 1)` by the median ratios, where O3 is at "
+        f"least {GAIN_FLOOR:.2f}x autocast (else `-`): 100% is all of O3's gain, 0% none, "
+        "negative slower than autocast; `cached` `preset` run inside "
         "`amprewrite.cache_weights` (kept weight copies reused across calls instead of "
         "rewritten each call; inference only). Shapes are batch x features, images "
         "or tokens; the launch-bound model is 50 blocks `x + Linear(LayerNorm(x))` of width "

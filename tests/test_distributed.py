@@ -157,17 +157,16 @@ def _fsdp2_run(rank: int, level: str) -> dict[str, Any]:
 
     gm.register_forward_pre_hook(seen)
     # FSDP2 refills the gathered parameters in place without bumping their version counters:
-    # low-precision copies kept across forwards must be remade after each all-gather
+    # low-precision copies kept across forwards must be remade after each all-gather. O2: the
+    # binding sees the sharded module and registers that refresh itself; O1 keeps copies for
+    # inference forwards only, remade by the caller's hook.
     if level == "O2":
-        masters = amprewrite.MasterWeights(gm, opt)
-
-        def remake(module: nn.Module, args: Any) -> None:
-            masters.refresh()
+        amprewrite.MasterWeights(gm, opt)
     else:
         def remake(module: nn.Module, args: Any) -> None:
-            if not torch.is_grad_enabled():  # O1 keeps copies for inference forwards only
+            if not torch.is_grad_enabled():
                 amprewrite.clear_weight_cache(module)
-    gm.register_forward_pre_hook(remake)
+        gm.register_forward_pre_hook(remake)
     out["eval"] = []
     for step in range(STEPS):
         x, y = batch(step)
@@ -179,6 +178,13 @@ def _fsdp2_run(rank: int, level: str) -> dict[str, Any]:
             out["eval"].append(gm(shard(x, rank)))
     if level == "O2":
         out["low_copy_bytes"] = gm._amp_low_copies.nbytes()
+    # a write to the shards that no step makes (a checkpoint loaded in place): the next
+    # all-gather refills the same parameters, and the forward reads the new values
+    gm.reshard()  # the last no_grad forward left the parameters gathered
+    with torch.no_grad():
+        for p in gm.parameters():
+            p.to_local().zero_()
+        out["zeroed"] = gm(shard(batch(0)[0], rank))
     return out
 
 
@@ -434,6 +440,7 @@ def test_fsdp2_fully_shard_of_a_converted_module(ranks, level, one_thread):
     # FSDP2's reduce-scatter averages as DDP's all-reduce does: the same bits as DDP (with the
     # refresh hooks of _fsdp2_run)
     _bitwise(runs[0]["steps"], _result(ranks, f"ddp_{level}")[0]["steps"])
+    assert all(not run["zeroed"].any() for run in runs)  # every weight and bias written 0
     # inference forwards between steps use the parameters of that step
     _, gm = converted(level)
     names = [name for name, _ in gm.named_parameters()]
@@ -447,9 +454,10 @@ def test_fsdp2_fully_shard_of_a_converted_module(ranks, level, one_thread):
 
 @needs_gloo
 def test_fsdp2_refills_gathered_parameters_without_a_version_bump(ranks):
-    # Why O2 under FSDP2 needs `masters.refresh()` in a forward pre-hook (and O1's inference
-    # cache `clear_weight_cache`): amprewrite notices a changed parameter by its version
-    # counter or its data_ptr, and FSDP2 changes neither reliably. Each forward reads a plain
+    # Why O2 under FSDP2 needs `masters.refresh()` in a forward pre-hook (which MasterWeights
+    # registers on a sharded module) and O1's inference cache `clear_weight_cache`: amprewrite
+    # notices a changed parameter by its version counter or its data_ptr, and FSDP2 changes
+    # neither reliably. Each forward reads a plain
     # (all-gathered) parameter whose values moved with every step while its version did not.
     _needs_fsdp2()
     for run in _result(ranks, "fsdp2_O1"):

@@ -253,9 +253,9 @@ def _copies_match(store: LowPrecisionCopies, dtype: torch.dtype) -> bool:
 @pytest.mark.parametrize("kept", [False, True], ids=["default", "cache_weights"])
 def test_o2_a_training_step_casts_each_weight_once(fused: bool, kept: bool) -> None:
     """The step marks the copies stale and copies nothing; the next forward brings every copy
-    up to date (its rewrite, or the step count inside cache_weights): one cast of each weight
-    per step, and the copies equal the masters cast, fused optimizers (no version counter)
-    included."""
+    up to date (the step count moved): one cast of each weight per step, and the copies equal
+    the masters cast, fused optimizers (no version counter) included; the backward hands
+    every gradient to its master in one batched copy."""
     bf16 = torch.bfloat16
     model = Net()
     gm = amprewrite.convert(model, (X,), opt_level="O2", dtype=bf16)
@@ -272,7 +272,10 @@ def test_o2_a_training_step_casts_each_weight_once(fused: bool, kept: bool) -> N
             with _Ops() as forward:
                 gm(X).float().square().mean().backward()
             opt.zero_grad()
-            assert forward.ops.count("_foreach_copy_") == 1  # all four copies, one call
+            # all four copies rewritten in one call, and all four low-precision gradients
+            # handed to the fp32 masters in another
+            assert forward.ops.count("_foreach_copy_") == 2
+            assert "_to_copy" not in forward.ops[forward.ops.index("_foreach_copy_", 1):]
             assert _copies_match(store, bf16)
     assert torch.is_grad_enabled()
 

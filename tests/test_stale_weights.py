@@ -19,6 +19,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 import amprewrite
 from amprewrite import Policy
 from amprewrite.capture.guards import InputGuards, _rebuilt_guards
+from amprewrite.runtime.low_copies import LOW_COPIES_ATTR
 from amprewrite.runtime.model_watch import changes as _changes
 
 bf16 = torch.bfloat16
@@ -220,40 +221,162 @@ def test_parameter_replaced_on_the_model_is_followed(kept: bool) -> None:
     changed(model, gm, kept, lambda: train_step(gm, opt))
 
 
+def o2(model: nn.Module, capture: str = "export") -> torch.fx.GraphModule:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # this CPU may lack a fast bf16 path
+        return amprewrite.convert(model, (X,) if capture == "export" else None, dtype=bf16,
+                                  opt_level="O2")
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every ATen op a region runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[Any] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _step(model: nn.Module, fused: bool) -> Callable[[], None]:
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused, foreach=not fused)
+    return lambda: train_step(model, opt)
+
+
+def _load(model: nn.Module) -> Callable[[], Any]:
+    return lambda: model.load_state_dict(mlp(1).state_dict())
+
+
+def _mul(model: nn.Module) -> Callable[[], None]:
+    def mul() -> None:
+        with torch.no_grad():
+            model[0].weight.mul_(0.5)
+    return mul
+
+
+O2_CHANGES = {
+    "fused step, unbound": lambda model: _step(model, fused=True),
+    "foreach step, unbound": lambda model: _step(model, fused=False),
+    "load_state_dict": _load,
+    "p.mul_ under no_grad": _mul,
+    "model.half().float()": lambda model: lambda: model.half().float(),
+    "parameter replaced": lambda model: lambda: setattr(model[2], "weight",
+                                                        nn.Parameter(torch.randn(4, 8))),
+}
+
+
 @pytest.mark.parametrize("capture", ["export", "symbolic"])
-def test_o2_masters_changed_outside_the_optimizer_are_followed(capture: str) -> None:
+@pytest.mark.parametrize("change", list(O2_CHANGES))
+def test_o2_copies_follow_every_write_a_counter_sees(change: str, capture: str) -> None:
+    """O2's stored copies are rewritten only after their masters were written, and every
+    write that moves a version counter, the storage or an optimizer's step count is one."""
     model = mlp()
-    gm = amprewrite.convert(model, (X,) if capture == "export" else None, dtype=bf16,
-                            opt_level="O2")
-    opt = torch.optim.AdamW(gm.parameters(), lr=0.1, fused=True)
+    gm = o2(model, capture)
+    before = infer(gm, False)
+    O2_CHANGES[change](model)()
+    after = infer(gm, False)
+    assert not torch.equal(before, after)
+    assert torch.equal(after, infer(o2(model, capture), False))  # a fresh conversion's
+
+
+def test_o2_steady_inference_casts_no_weight() -> None:
+    """Like O3: with nothing written, a forward neither casts nor copies any weight."""
+    model = mlp()
+    gm = o2(model)
+    ops = _Ops()
+    with torch.no_grad():
+        gm(X)
+        with ops:
+            gm(X)
+    casts = [f for f in ops.seen if f in (torch.ops.aten._to_copy.default,
+                                          torch.ops.aten._foreach_copy_.default,
+                                          torch.ops.aten.copy_.default)]
+    assert casts == [torch.ops.aten._to_copy.default] * 2  # the input's and the output's
+    # and a step makes the next forward rewrite the trained copies, in one batched copy
+    opt = torch.optim.SGD(gm.parameters(), lr=0.5, fused=True)
     amprewrite.MasterWeights(gm, opt)
     train_step(gm, opt)
+    ops.seen.clear()
+    with torch.no_grad(), ops:
+        gm(X)
+    assert ops.seen.count(torch.ops.aten._foreach_copy_.default) == 1
+    assert torch.equal(infer(gm, False), infer(o2(model), False))
+
+
+def test_o2_steps_leave_frozen_masters_copies_alone() -> None:
+    """Only parameters with gradients are stepped: the copies of frozen masters (a LoRA
+    model's base weights) are not rewritten at every step."""
+    model = mlp()
+    model[0].requires_grad_(False)
+    gm = o2(model)
+    opt = torch.optim.AdamW([p for p in gm.parameters() if p.requires_grad], lr=0.1,
+                            fused=True)
+    amprewrite.MasterWeights(gm, opt)
+    train_step(gm, opt)
+    store = getattr(gm, LOW_COPIES_ATTR)
+    copies = {id(m): c for m, c in store.copies()}
+    versions = {name: copies[id(p)]._version for name, p in gm.named_parameters()}
+    train_step(gm, opt)
+    train_step(gm, opt)
+    moved = {name for name, p in gm.named_parameters()
+             if copies[id(p)]._version != versions[name]}
+    assert moved == {"2.weight", "2.bias"}
+    assert torch.equal(infer(gm, False), infer(o2(model), False))
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic"])
+@pytest.mark.parametrize("refresh", ["MasterWeights.refresh", "clear_weight_cache"])
+def test_o2_writes_through_data_need_a_refresh(capture: str, refresh: str) -> None:
+    """A write through ``.data`` moves no counter: the copies keep the old values until
+    ``refresh`` (the documented contract, docs/training.md), inside ``cache_weights`` too."""
+    model = mlp()
+    gm = o2(model, capture)
+    opt = torch.optim.AdamW(gm.parameters(), lr=0.1, fused=True)
+    masters = amprewrite.MasterWeights(gm, opt)
+    train_step(gm, opt)
+    before = infer(gm, False)
     for p in model.parameters():
         p.data.mul_(0.5)
-    fresh = amprewrite.convert(model, (X,) if capture == "export" else None, dtype=bf16,
-                               opt_level="O2")
-    assert torch.equal(infer(gm, False), infer(fresh, False))
+    assert torch.equal(infer(gm, False), before)
+    assert torch.equal(infer(gm, True), before)
+    masters.refresh() if refresh == "MasterWeights.refresh" else \
+        amprewrite.clear_weight_cache(gm)
+    fresh = infer(o2(model, capture), False)
+    assert not torch.equal(fresh, before)
+    assert torch.equal(infer(gm, False), fresh)
     with torch.no_grad():
-        reference = fresh(X)
-    assert torch.equal(gm(X).detach(), reference)  # grad mode: the stored copies rewritten
-    with torch.no_grad(), amprewrite.cache_weights(gm):
-        before = gm(X)
-        model[0].weight.data.mul_(0.5)
-        assert torch.equal(gm(X), before)  # not followed inside the region (its contract)
-        amprewrite.clear_weight_cache(gm)  # O2: recomputes the stored copies
-        assert not torch.equal(gm(X), before)
+        reference = o2(model, capture)(X)
+    assert torch.equal(gm(X).detach(), reference)  # grad mode reads the same copies
 
 
-def test_o2_fused_step_inside_cache_weights_is_followed_unbound() -> None:
-    """An optimizer that no MasterWeights binds, fused: the step count still moves."""
-    model = mlp()
-    gm = convert(model, opt_level="O2")
-    fresh_before = infer(gm, True)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, fused=True)
-    with amprewrite.cache_weights(gm):
-        train_step(model, opt)
-        assert not torch.equal(infer(gm, True), fresh_before)
-        assert torch.equal(infer(gm, True), infer(convert(model, opt_level="O2"), False))
+def test_o2_embedding_reads_its_master() -> None:
+    """O2 looks rows up in the fp32 table and rounds them: bit for bit the rows of a
+    low-precision table, without storing one; the lookup's gradient reaches the master in
+    fp32, summed in fp32 over repeated tokens."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 4))
+    ids = torch.tensor([[1, 1, 1, 2], [1, 3, 1, 1]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = amprewrite.convert(model, (ids,), dtype=bf16, opt_level="O2")
+    assert "torch.embedding(_0_weight, " in gm.code
+    assert [m for m, _ in getattr(gm, LOW_COPIES_ATTR).copies()] == []  # none before a call
+    with torch.no_grad():
+        out = gm(ids)
+    rows = model[0].weight.to(bf16)[ids]
+    with torch.no_grad():
+        want = nn.functional.linear(rows, model[1].weight.to(bf16), model[1].bias.to(bf16))
+    assert torch.equal(out, want.float())
+    stored = {id(m) for m, _ in getattr(gm, LOW_COPIES_ATTR).copies()}
+    assert id(model[0].weight) not in stored and id(model[1].weight) in stored
+    masters = amprewrite.MasterWeights(gm, torch.optim.SGD(gm.parameters(), lr=0.1))
+    gm(ids).sum().backward()
+    grad = model[0].weight.grad
+    assert grad is not None and grad.dtype == torch.float32
+    masters.close()
 
 
 def test_two_forwards_before_backward_still_backpropagate() -> None:
@@ -381,3 +504,22 @@ def test_serving_under_inference_mode_follows_updates(kept: bool) -> None:
         fresh = convert(source) if level == "O1" else convert(source, opt_level="O2")
         assert not torch.equal(before, after)
         assert torch.equal(after, infer(fresh, False)), level
+
+
+def test_o2_a_replaced_trained_master_remakes_the_copies_it_shares_a_node_with() -> None:
+    """The copies of trained masters share one autograd node; a new parameter makes them all
+    again, and later steps rewrite the copies the forward reads."""
+    model = mlp()
+    gm = o2(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    amprewrite.MasterWeights(gm, opt)
+    train_step(gm, opt)
+    model[2].weight = nn.Parameter(torch.randn(4, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    amprewrite.MasterWeights(gm, opt)
+    for _ in range(3):
+        train_step(gm, opt)
+        assert torch.equal(infer(gm, False), infer(o2(model), False))
+    store = getattr(gm, LOW_COPIES_ATTR)
+    nodes = {c.grad_fn for _, c in store.copies()}
+    assert len(nodes) == 1 and len(store.copies()) == 4

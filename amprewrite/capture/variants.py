@@ -168,6 +168,12 @@ class CallGuard:
         if self.snapshot is None or (self.snapshot.holds() and not slots_changed):
             return
         what = self.snapshot.changes() or ["a tensor slot the forward found empty was filled"]
+        store = gm.__dict__.get(LOW_COPIES_ATTR)
+        if store is not None:
+            # A change of Python state can come with weight writes no counter sees (PEFT's
+            # merge_adapter adds the adapters into the base weights through .data and flips
+            # their `merged` flags): O2's stored copies are rewritten from their masters.
+            store.refresh()
 
         def fits(core: fx.GraphModule) -> bool:
             state = state_of(core, gm.training) or core.meta.get(STATE_KEY)

@@ -9,7 +9,9 @@ Apex's four levels, as graph rewrites of a captured model:
 * ``O1``: the per-op policy (autocast's lists).
 * ``O2``: "almost fp16". Floating inputs are cast to the low dtype at the entry and every
   parameter is read as a stored low-precision copy of its fp32 master
-  (:mod:`amprewrite.runtime.low_copies`); then the same passes as O1 run with the O2 rules
+  (:mod:`amprewrite.runtime.low_copies`), but for embedding tables, whose lookups read the
+  fp32 master and round the rows they return (the same bits, without a stored copy of the
+  whole vocabulary); then the same passes as O1 run with the O2 rules
   (``_tables.O2_TABLE``): ops run in whatever dtype arrives, except the ops that need one dtype
   for all their floating inputs (matmuls, convolutions, attention), whose inputs are cast to
   the low dtype, and normalisation ops (batch/instance/layer/group/RMS norm), which read the
@@ -160,6 +162,8 @@ class _LowPrecisionRewrite:
         self.static = all("val" in n.meta for n in gm.graph.nodes if n.op == "placeholder") \
             and any("val" in n.meta for n in gm.graph.nodes)
         self.inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.master_lookups: set[fx.Node] = set()
+        """O2's embedding lookups of a parameter's fp32 master (:meth:`_gathers_master`)."""
 
     def run(self) -> None:
         if self.masters:
@@ -167,7 +171,7 @@ class _LowPrecisionRewrite:
             self._read_low_copies()
         self._cast_inputs()
         if self.masters:
-            self._norm_outputs_down()
+            self._master_outputs_down()
         run_passes(self.gm, self.policy, self.dtype, mark_converted=False)
         self._cast_outputs()
         EliminateCastsPass(self.policy)(self.gm)
@@ -192,8 +196,24 @@ class _LowPrecisionRewrite:
 
     def _reads_master(self, node: fx.Node) -> bool:
         """Whether ``node`` reads the fp32 masters of its parameters under O2: a normalisation
-        op, computing in fp32 or on the low-precision input (``MIXED_INPUT_NORMS``)."""
-        return self._in_fp32(node) or (node.op in _CALLS and op_key(node) in NORM_OPS)
+        op, computing in fp32 or on the low-precision input (``MIXED_INPUT_NORMS``), or an
+        embedding lookup (:meth:`_gathers_master`)."""
+        return self._in_fp32(node) or (node.op in _CALLS and op_key(node) in NORM_OPS) \
+            or self._gathers_master(node)
+
+    @staticmethod
+    def _gathers_master(node: fx.Node) -> bool:
+        """Whether ``node`` is an embedding lookup, which O2 runs on the fp32 master table and
+        whose rows it then rounds to the low dtype (:meth:`_master_outputs_down`).
+
+        Why: rounding commutes with a gather, so the rows are bit for bit those of a stored
+        low-precision table, but a stored table is a full copy of the vocabulary, rewritten
+        after every optimizer step (for a 32k x 4096 table, 256 MB written to round the few
+        thousand rows a batch reads), and its gradient would be a dense low-precision table
+        cast to fp32 once more. Read from the master, the rows are the only cast, and the
+        lookup's backward sums repeated tokens' gradients in fp32, into the master's fp32
+        gradient directly."""
+        return node.op in _CALLS and op_key(node) == "embedding"
 
     def _read_low_copies(self) -> None:
         """O2: every floating parameter is read through the low-copy store, except by the
@@ -206,6 +226,7 @@ class _LowPrecisionRewrite:
             if not isinstance(value, nn.Parameter) or not self._castable(value):
                 continue
             users = [u for u in node.users if not self._reads_master(u)]
+            self.master_lookups.update(u for u in node.users if self._gathers_master(u))
             if not users:
                 continue
             if store is None:
@@ -219,12 +240,14 @@ class _LowPrecisionRewrite:
                 user.replace_input_with(node, low)
 
     # -- activations at the boundaries -----------------------------------------------------
-    def _norm_outputs_down(self) -> None:
-        """O2: a normalisation op's output goes back to the low dtype for the ops after it
-        (Apex's O2 keeps only the norm itself in fp32). A norm output that leaves the graph
-        stays fp32: rounding it only for the output cast to widen it again would lose bits."""
+    def _master_outputs_down(self) -> None:
+        """O2: the output of a normalisation op computing in fp32, or of an embedding lookup
+        on its fp32 master, goes back to the low dtype for the ops after it (Apex's O2 keeps
+        only the norm itself in fp32; the rows of a master table rounded are those of a
+        stored low-precision one). An output that leaves the graph stays fp32: rounding it
+        only for the output cast to widen it again would lose bits."""
         for node in list(self.graph.nodes):
-            if not self._in_fp32(node):
+            if not (self._in_fp32(node) or node in self.master_lookups):
                 continue
             for out in self._tensor_outputs(node):
                 users = [u for u in out.users if u.op != "output"]

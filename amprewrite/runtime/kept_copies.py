@@ -1,7 +1,8 @@
 """How long a converted module's low-precision weight copies may be reused: the user's side.
 
-A converted module keeps low-precision copies of the weights it lowers (O1: those a call
-needs no gradient for; O2: its stored copies). By default every call rewrites them from the
+An O1 module keeps low-precision copies of the weights it lowers where a call needs no
+gradient for them. (O2's stored copies follow their masters' counters by their own rule,
+:mod:`.low_copies`, inside this region or not.) By default every O1 call rewrites them from the
 current weights (:mod:`.weight_cache`), because some writes change a weight without any sign a
 cheap check of the weight can read: writes through ``p.data`` (EMA and weight-loading
 code), FSDP2's in-place all-gather, fused optimizer steps (these a global step hook does see,
@@ -58,12 +59,16 @@ def cache_weights(module: nn.Module) -> Iterator[None]:
                 serve(gm(batch))
 
     Regions nest; leaving the last one returns the module to rewriting its copies on every
-    call. A module with no copies to keep (``opt_level`` O0 or O3) runs as before.
+    call. A module with no copies to keep (``opt_level`` O0 or O3) runs as before, and so does
+    an O2 module, whose stored copies always follow this rule (but for the optimizer steps'
+    rewrite of the copies of trained masters only).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
     """
-    holders = _holders(module, "cache_weights")
+    # NB: O2's stored copies are left out: they are rewritten only when their masters were
+    # written in a way a counter sees (:mod:`.low_copies`), inside this region or not.
+    holders = [h for h in _holders(module, "cache_weights") if isinstance(h, WeightCastCache)]
     count_steps()
     for holder in holders:
         if holder.kept == 0:

@@ -41,11 +41,14 @@ class MasterWeights:
     The masters are the module's parameters (``gm.parameters()``, the same tensors as the
     model's): the optimizer holds them, updates them in fp32, and its state and
     ``gm.state_dict()`` are fp32 as well. The graph computes with low-precision copies. After
-    each optimizer step (a step that ``GradScaler`` skips changes nothing) the copies of that
-    optimizer's masters are recomputed. Changes made elsewhere (``load_state_dict``, writes
-    through ``.data``) are followed too: each forward rewrites the copies from the masters,
-    except inside :func:`amprewrite.cache_weights`, where a write through ``.data`` needs
-    :meth:`refresh` (or ``amprewrite.clear_weight_cache(gm)``).
+    each optimizer step (a step that ``GradScaler`` skips changes nothing) the copies of the
+    trained masters are recomputed, all in one multi-tensor copy at the next forward. Changes
+    made elsewhere are followed where a counter sees them (``load_state_dict``, ``p.mul_``
+    under ``no_grad``, new storage, a replaced parameter); a write through ``.data``
+    (``p.data.mul_``) moves no counter and needs :meth:`refresh` (or
+    ``amprewrite.clear_weight_cache(gm)``). A module sharded with FSDP2 (``fully_shard``,
+    before binding) refills its parameters in place before every forward without moving a
+    counter: the binding then refreshes the copies before each forward itself.
 
     Works with any ``torch.optim`` optimizer (fused ones included), with several optimizers
     (pass a list), with ``GradScaler`` (``unscale_`` and clipping see fp32 master gradients)
@@ -88,11 +91,16 @@ class MasterWeights:
         self._store = store
         self._handles = [opt.register_step_post_hook(self._after_step)
                          for opt in self._optimizers]
+        if _is_fsdp2(gm):
+            # NB: after FSDP2's own pre-forward hook (registered first, prepended), so the
+            # copies are made from the all-gathered parameters; returns None: the inputs
+            # stay as they are.
+            self._handles.append(gm.register_forward_pre_hook(lambda module, args: store.refresh()))
         store.bindings += 1
         self._closed = False
 
     def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        self._store.mark_stepped(held_tensors([optimizer]))
+        self._store.mark_stepped()
 
     def refresh(self) -> None:
         """Recompute every low-precision copy from its fp32 master now."""
@@ -110,3 +118,12 @@ class MasterWeights:
         n = sum(1 for _ in self._gm.parameters())
         return (f"MasterWeights({n} fp32 masters, {len(self._optimizers)} optimizer(s), "
                 f"{self._store.nbytes()} bytes of low-precision copies)")
+
+
+def _is_fsdp2(module: nn.Module) -> bool:
+    """Whether ``module`` was sharded by FSDP2's ``fully_shard``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed support
+        return False
+    return isinstance(module, FSDPModule)

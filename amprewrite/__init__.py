@@ -18,7 +18,7 @@ from .audit.lints import Lint, lint
 from .audit.report import AuditReport, OpRecord, audit
 from .compile_backend import AmpBackend, backend, compile
 from .convert import convert
-from .errors import AmpRewriteError, RecaptureWarning
+from .errors import AmpRewriteError, AutocastOverrideWarning, RecaptureWarning
 from .explain import explain
 from .htmlreport import html_report
 from .policy.policy import Policy
@@ -34,7 +34,7 @@ from .training.scaler_monitor import ScalerMonitor, StepRecord
 __all__ = [
     # convert a model
     "convert", "Policy", "OpCategory", "register_op", "unregister_op", "AmpRewriteError",
-    "RecaptureWarning",
+    "RecaptureWarning", "AutocastOverrideWarning",
     "clear_weight_cache", "cache_weights",
     # models with graph breaks
     "compile", "backend", "AmpBackend",

@@ -7,7 +7,8 @@ import warnings
 
 import torch
 
-__all__ = ["AmpRewriteError", "RecaptureWarning", "user_stacklevel", "report_recapture"]
+__all__ = ["AmpRewriteError", "RecaptureWarning", "AutocastOverrideWarning", "user_stacklevel",
+           "report_recapture"]
 
 _OWN_DIRS = (__file__.rsplit("/", 1)[0] + "/", torch.__file__.rsplit("/", 1)[0] + "/")
 """This package's files and torch's (whose wrappers some releases put around calls)."""
@@ -45,3 +46,13 @@ def report_recapture(message: str) -> None:
     """The one channel recaptures are reported through: a :class:`RecaptureWarning` pointing
     at the user's line."""
     warnings.warn("amprewrite: " + message, RecaptureWarning, stacklevel=user_stacklevel())
+
+
+class AutocastOverrideWarning(UserWarning):
+    """A converted module was called inside an active ``torch.autocast`` of the device type its
+    tensors are on (also what accelerate's ``mixed_precision="bf16"`` / ``"fp16"`` enters).
+
+    Autocast then casts on top of the module's explicit casts, so an op the policy keeps in
+    fp32 but autocast lists as low precision (a ``keep_fp32`` override, say) runs in autocast's
+    dtype after all. Given once per converted module; filter it by this class.
+    """

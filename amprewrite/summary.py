@@ -9,12 +9,18 @@ presentation (:func:`summary_lines`). Example (the demo's Llama)::
     ops: 10 bf16, 8 fp32, 99 passthrough (117 op nodes)
     casts: 14 cast nodes, 8 of weights (kept copies in inference, one cast per forward in training)
     cast kernels in one forward: 15, torch.autocast's on the same input: 18
+
+Speed against ``torch.autocast`` is said with its certainty (:func:`speed_spread`,
+:func:`speed_sentence`): a median over interleaved rounds and the spread of the rounds, or
+"too noisy to tell" when they disagree on which is faster.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -31,7 +37,9 @@ from .policy.policy import Policy
 from .policy.tables import OpCategory
 
 __all__ = ["graph_facts", "count_forward_casts", "summary_lines", "precision_of",
-           "short_dtype"]
+           "short_dtype", "AS_FAST_WITHIN", "SpeedSpread", "speed_spread", "speed_verdict",
+           "speed_words", "spread_words", "speed_sentence", "UNSURE", "SIZED_WITHIN",
+           "MIN_ROUNDS_TO_TELL"]
 
 
 def short_dtype(dtype: Any) -> str:
@@ -116,3 +124,101 @@ def summary_lines(facts: dict[str, Any], casts: dict[str, int] | None = None) ->
             f"policy: {facts['policy']}, low dtype {low}",
             f"ops: {ops['low']} {low}, {ops['fp32']} fp32, {ops['passthrough']} passthrough "
             f"({sum(ops.values())} op nodes)", *lines]
+
+
+AS_FAST_WITHIN = 0.03
+"""A speed ratio this close to 1 either way reads "as fast": the spread of interleaved rounds
+on a quiet machine. The demo's line and the page say the same."""
+SIZED_WITHIN = 1.5
+"""The middle half of the rounds spans at most this factor when the ratio is sized: wider,
+the direction may hold but its size is noise (another job slowed whole rounds)."""
+MIN_ROUNDS_TO_TELL = 3
+"""Fewer rounds show no spread: no verdict is drawn from them."""
+UNSURE = "too noisy to tell"
+
+
+def speed_verdict(speedup: float) -> str:
+    """``"faster"``, ``"slower"`` or ``"as fast"``: torch.autocast's time over ours (above 1:
+    faster, as in every table of the project), with :data:`AS_FAST_WITHIN`."""
+    if abs(speedup - 1) < AS_FAST_WITHIN:
+        return "as fast"
+    return "faster" if speedup > 1 else "slower"
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedSpread:
+    """Speed against ``torch.autocast`` over rounds of interleaved timing: per round,
+    torch.autocast's time over the converted module's (above 1: faster)."""
+
+    ratio: float
+    """The median round's ratio."""
+    low: float
+    """Lower quartile of the rounds' ratios: with :attr:`high`, the middle half of them."""
+    high: float
+    rounds: int
+    verdict: str
+    """``"faster"``, ``"slower"``, ``"as fast"``, or :data:`UNSURE` (see
+    :func:`speed_spread`)."""
+
+    @property
+    def sized(self) -> bool:
+        """Whether the rounds agree on the size of the ratio, not only on its direction
+        (their middle half spans at most :data:`SIZED_WITHIN`)."""
+        return self.high <= self.low * SIZED_WITHIN
+
+
+def speed_spread(rounds: Sequence[tuple[float, float]]) -> SpeedSpread:
+    """The verdict on ``rounds``, ``(converted time, autocast time)`` per round (any unit).
+
+    The median ratio decides, unless the rounds disagree: when the middle half of them (their
+    interquartile range, robust to the odd round another job slowed) holds ratios below
+    ``1 - AS_FAST_WITHIN`` *and* above ``1 + AS_FAST_WITHIN``, no direction is stated; nor
+    "as fast" when that middle half spans more than :data:`SIZED_WITHIN`.
+    """
+    if not rounds:
+        raise ValueError("speed_spread(rounds=[]): expected at least one round of "
+                         "(converted time, autocast time)")
+    if any(not (c > 0 and a > 0) for c, a in rounds):
+        raise ValueError(f"speed_spread(rounds={list(rounds)!r}): every time must be positive")
+    ratios = sorted(a / c for c, a in rounds)
+    median = statistics.median(ratios)
+    if len(ratios) < MIN_ROUNDS_TO_TELL:
+        return SpeedSpread(median, ratios[0], ratios[-1], len(ratios), UNSURE)
+    low, _, high = statistics.quantiles(ratios, n=4, method="inclusive")
+    verdict = speed_verdict(median)
+    disagree = low < 1 - AS_FAST_WITHIN and high > 1 + AS_FAST_WITHIN
+    # "as fast" is a size (within a few percent): rounds that do not agree on sizes cannot
+    # say it.
+    if disagree or (verdict == "as fast" and high > low * SIZED_WITHIN):
+        verdict = UNSURE
+    return SpeedSpread(median, low, high, len(ratios), verdict)
+
+
+def speed_words(speed: float) -> str:
+    """``"1.52x torch.autocast's speed, faster"`` / ``"1.02x, as fast as torch.autocast"``: a
+    speed ratio (above 1 = faster) in words, judged by :func:`speed_verdict`."""
+    verdict = speed_verdict(speed)
+    if verdict == "as fast":
+        return f"{speed:.2f}x, as fast as torch.autocast"
+    return f"{speed:.2f}x torch.autocast's speed, {verdict}"
+
+
+def spread_words(spread: SpeedSpread) -> str:
+    """``"1.31x-1.55x, middle half of 7 rounds"``: what the verdict stands on."""
+    if spread.rounds < MIN_ROUNDS_TO_TELL:
+        return f"{spread.rounds} round{'s' if spread.rounds != 1 else ''}, too few to tell"
+    return f"{spread.low:.2f}x-{spread.high:.2f}x, middle half of {spread.rounds} rounds"
+
+
+def speed_sentence(spread: SpeedSpread) -> str:
+    """The demo's words: ``"1.42x torch.autocast's speed, faster (1.31x-1.55x, middle half of
+    7 rounds)"``, or, when the rounds disagree, ``"about as fast as torch.autocast; too noisy
+    to tell (0.80x-1.30x, middle half of 7 rounds)"``; a direction the rounds agree on
+    but not its size: ``"1.68x torch.autocast's speed, faster; how much is too noisy to tell
+    (1.11x-17.56x, middle half of 5 rounds)"``."""
+    if spread.rounds < MIN_ROUNDS_TO_TELL:
+        return (f"{spread.ratio:.2f}x torch.autocast's speed in {spread_words(spread)}")
+    if spread.verdict == UNSURE:
+        return f"about as fast as torch.autocast; {UNSURE} ({spread_words(spread)})"
+    how_much = "" if spread.sized else f"; how much is {UNSURE}"
+    return f"{speed_words(spread.ratio)}{how_much} ({spread_words(spread)})"

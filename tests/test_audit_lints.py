@@ -91,7 +91,7 @@ def test_matmul_alignment_weighted_by_flops():
             return self.odd(self.aligned(x))
 
     gm = amprewrite.convert(Mixed(), (torch.randn(4, 64),), dtype=torch.float16)
-    (lint,) = amprewrite.lint(gm)
+    (lint,) = amprewrite.lint(gm, device="cuda")
     assert (lint.rule, lint.node) == ("matmul-alignment", "linear_1")
     # FLOPs: aligned 2*4*64*64, odd 2*4*64*10: share 10 / 74.
     assert lint.flops_share == pytest.approx(10 / 74)
@@ -102,9 +102,50 @@ def test_conv_alignment():
     conv = nn.Conv2d(3, 16, 3)
     gm = amprewrite.convert(nn.Sequential(conv), (torch.randn(1, 3, 8, 8),),
                             dtype=torch.float16)
-    (lint,) = amprewrite.lint(gm)
+    (lint,) = amprewrite.lint(gm, device=torch.device("cuda", 0))
     assert lint.rule == "matmul-alignment" and "in_channels=3" in lint.message
+    assert lint.message.endswith("tensor cores are not used at full rate; 100.0% of this "
+                                 "graph's fp16/bf16 matmul/conv FLOPs.")
+    assert lint.fix.startswith("pad to in_channels=8 ")
     assert lint.flops_share == 1.0
+
+
+def test_alignment_is_cuda_advice_only():
+    """A CPU has no tensor cores: on it, an RGB convolution and an odd head are fine."""
+    model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.Flatten(), nn.Linear(16 * 36, 10))
+    gm = amprewrite.convert(model, (torch.randn(2, 3, 8, 8),), dtype=torch.float16)
+    assert next(gm.parameters()).device.type == "cpu"
+    assert amprewrite.lint(gm) == [] == amprewrite.lint(gm, device="cpu")
+    assert [(l.rule, l.node) for l in amprewrite.lint(gm, device="cuda")] == [
+        ("matmul-alignment", "conv2d"), ("matmul-alignment", "linear")]  # most FLOPs first
+    with pytest.raises(ValueError, match=r"device='gpu' is not a device; pass 'cuda', 'cpu'"):
+        amprewrite.lint(gm, device="gpu")
+
+
+def test_alignment_follows_the_device_of_the_modules_tensors():
+    """By default the advice is for the device the parameters are on: a fake CUDA weight
+    (no GPU needed) makes the module's device CUDA."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    conv = nn.Conv2d(3, 16, 3)
+    gm = amprewrite.convert(nn.Sequential(conv), (torch.randn(1, 3, 8, 8),),
+                            dtype=torch.float16)
+    assert amprewrite.lint(gm) == []
+    with FakeTensorMode():
+        weight = torch.empty(16, 3, 3, 3, device="cuda")
+    # NB: requires_grad=False: a fake CUDA leaf that requires grad aborts the process
+    conv.weight = nn.Parameter(weight, requires_grad=False)  # the model's, read by gm
+    assert [l.rule for l in amprewrite.lint(gm)] == ["matmul-alignment"]
+    assert amprewrite.lint(gm, device="cpu") == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_alignment_on_a_real_cuda_module():
+    model = nn.Sequential(nn.Linear(64, 10)).cuda()
+    gm = amprewrite.convert(model, (torch.randn(4, 64, device="cuda"),), dtype=torch.float16)
+    (lint,) = amprewrite.lint(gm)
+    assert (lint.rule, lint.node) == ("matmul-alignment", "linear")
+    assert amprewrite.lint(gm, device="cpu") == []
 
 
 def test_fp16_parameters_that_require_grad():

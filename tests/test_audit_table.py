@@ -93,7 +93,7 @@ max |grad|: 100; recommended static loss scale: 2^9 = 512""")
     def test_lints(self) -> None:
         x, mask = torch.randn(2, 3, 6), torch.zeros(2, 3, 3, dtype=torch.bool)
         gm = amprewrite.convert(Masked(), (x, mask), dtype=torch.float16)
-        self.assertExpectedInline("\n".join(map(str, amprewrite.lint(gm))), """\
+        self.assertExpectedInline("\n".join(map(str, amprewrite.lint(gm, device="cuda"))), """\
 [fill-overflow] masked_fill: masked_fill uses the constant -3.40282e+38 (argument 2), which overflows fp16 (this op runs in fp16): fills raise 'value cannot be converted to type ... without overflow', arithmetic makes it -inf and a fully masked softmax row NaN.
     fix: fill with a value that fits fp16 (torch.finfo(torch.float16).min, or -1e4); NB: torch.finfo(x.dtype).min is captured as fp32's. Or keep the op in fp32: Policy().override(nodes={'masked_fill': OpCategory.FP32})
 [eps-underflow] add: add adds the epsilon 1e-08 (argument 1) in fp16, below its smallest normal 6.1e-05: it rounds to 0 and no longer guards the division or square root after it.

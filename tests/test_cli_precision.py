@@ -35,7 +35,47 @@ FACTORIES = textwrap.dedent('''
     def mlp():
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)), (torch.randn(2, 8),)
+
+    class Checkpointed(nn.Module):
+        """Dropout in train mode (compare warns), in a checkpoint (convert warns)."""
+
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Dropout(0.5))
+            self.head = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.head(torch.utils.checkpoint.checkpoint(self.block, x,
+                                                               use_reentrant=False))
+
+    def checkpointed():
+        torch.manual_seed(0)
+        return Checkpointed().train(), (torch.randn(2, 8),)
+
+    class ThreeHot(nn.Module):
+        """Three Linears that overflow fp16: a search needs all three in fp32."""
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+            with torch.no_grad():
+                for layer in (self.a, self.b, self.c):
+                    layer.weight.mul_(1e5)
+
+        def forward(self, x):
+            h = torch.layer_norm(self.a(x), (8,))
+            return self.c(torch.layer_norm(self.b(h), (8,)))
+
+    def three_hot():
+        torch.manual_seed(0)
+        return ThreeHot(), (torch.randn(2, 8),)
 ''')
+
+CHECKPOINT_WARNING = "amprewrite: warning: Checkpointed calls torch.utils.checkpoint (at "
+DROPOUT_WARNING = ("amprewrite: warning: amprewrite.{}: dropout draw random numbers, which "
+                   "differ between the converted and the reference run: their errors and "
+                   "everything downstream are meaningless. Pass the model in eval() mode "
+                   "(model.eval()).\n")
 
 
 @pytest.fixture
@@ -120,3 +160,34 @@ def test_bad_target_is_one_line_and_exit_2(project: Path, capsys: pytest.Capture
 def test_capture_compile_is_refused(project: Path, capsys: pytest.CaptureFixture) -> None:
     code, _, err = run(capsys, "search", "precisionfactories:mlp", "--capture", "symbolic")
     assert code == 2 and "search cannot use --capture symbolic" in err
+
+
+# -- the library's warnings reach the shell ---------------------------------------------------
+def test_compare_keeps_the_warnings_of_a_model_in_train_mode(project: Path,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    code, out, err = run(capsys, "compare", "precisionfactories:checkpointed")
+    assert code == 0 and out.startswith("output error ")
+    lines = err.splitlines(keepends=True)
+    assert len(lines) == 2, err  # each once, after the output
+    assert lines[0].startswith(CHECKPOINT_WARNING)
+    assert lines[1] == DROPOUT_WARNING.format("compare")
+    # --json keeps stdout JSON: the warnings go to stderr all the same
+    code, out, err = run(capsys, "compare", "precisionfactories:checkpointed", "--json")
+    assert code == 0 and json.loads(out)["low_dtype"] == "bf16"
+    assert DROPOUT_WARNING.format("compare") in err
+
+
+def test_search_keeps_its_warnings(project: Path, capsys: pytest.CaptureFixture) -> None:
+    code, out, err = run(capsys, "search", "precisionfactories:three_hot", "--dtype", "fp16",
+                         "--max-runs", "4")
+    assert code == 0 and out.startswith("3 nodes to fp32: ")
+    assert err == ("amprewrite: warning: amprewrite.search: max_runs=4 ran out while pruning; "
+                   "the policy meets tol with 3 fp32 nodes, possibly more than needed. Pass a "
+                   "larger max_runs for the smallest set.\n")
+    # a search that fails still shows what the conversion said before its one-line error
+    code, out, err = run(capsys, "search", "precisionfactories:checkpointed", "--tol", "1e-12")
+    assert code == 2 and out == ""
+    checkpoint, dropout, error = err.splitlines(keepends=True)
+    assert checkpoint.startswith(CHECKPOINT_WARNING)
+    assert dropout == DROPOUT_WARNING.format("search")  # the model is in train mode
+    assert error.startswith("amprewrite: error: search: tol=1e-12 was not reached")

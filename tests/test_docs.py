@@ -2,7 +2,8 @@
 page by page, and every relative link points to a file (and heading) that exists.
 
 Each page's Python blocks run in order in one fresh namespace, in a temporary working
-directory, so a later block may use what an earlier one of the same page defined. A block that
+directory, so a later block may use the variables an earlier one of the same page defined; the
+modules it uses it imports itself, so that it reads (and runs) on its own. A block that
 cannot run here (a distributed launch, say) is preceded by the line ``<!-- no-run -->`` and is
 only compiled; one that needs an optional extra is preceded by ``<!-- requires: onnx,
 onnxruntime -->`` and runs where those modules import (compiled elsewhere); output and shell
@@ -11,6 +12,8 @@ blocks are fenced ```text / ```bash and not run.
 
 from __future__ import annotations
 
+import ast
+import builtins
 import importlib.util
 import re
 import warnings
@@ -80,6 +83,45 @@ def test_python_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.Monke
             compiled = compile(code, f"{_name(page)}:{line}", "exec")
             if not no_run and not _missing_modules(page, line):
                 exec(compiled, namespace)
+
+
+def _bound(tree: ast.AST) -> tuple[set[str], set[str]]:
+    """(names a block imports, names it binds otherwise: assignments, loops, defs, ...)."""
+    imported: set[str] = set()
+    other: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            imported |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            other.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            other.add(node.name)
+        elif isinstance(node, ast.arg):
+            other.add(node.arg)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            other.add(node.name)
+    return imported, other
+
+
+@pytest.mark.parametrize("page", _python_pages(), ids=_name)
+def test_each_block_imports_the_modules_it_uses(page: Path) -> None:
+    """A block may use variables of earlier blocks, never their imports: copied into a fresh
+    interpreter, with the variables it names defined, it runs. Checked on no-run blocks too."""
+    defined: set[str] = set()
+    missing = []
+    for line, lang, code, _ in _blocks(page):
+        if lang != "python":
+            continue
+        tree = ast.parse(code)
+        imported, other = _bound(tree)
+        used = {n.id for n in ast.walk(tree)
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        free = sorted(used - imported - other - defined - set(dir(builtins)))
+        if free:
+            missing.append(f"{_name(page)}:{line} uses {', '.join(free)}")
+        defined |= other
+    assert not missing, "import them in the block, or define them in an earlier one: " + \
+        "; ".join(missing)
 
 
 def test_no_run_marks_are_few_and_on_python_blocks() -> None:

@@ -1,6 +1,7 @@
 """The HTML report in a real browser: headless Chromium renders the demo's page (what
 ``python -m amprewrite demo --html report.html`` writes), a script measures its layout and
-drives its controls, and the first screen is kept as a screenshot.
+drives its controls, and the first screen is kept as a screenshot; in an 800 px window, the
+page stays within the window's width and the range chart's inf/NaN marks clear of its text.
 
 Skipped when no Chromium is installed (``apt-get install -y chromium``) or
 ``AMPREWRITE_CHROMIUM=skip``; ``AMPREWRITE_CHROMIUM=/path/to/chromium`` names the browser,
@@ -17,7 +18,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn as nn
 
+import amprewrite
 from _browser import BROWSER_ENV, chromium, measure, png_size, screenshot
 from amprewrite.cli.main import main
 
@@ -25,6 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS_PICTURE = ROOT / "docs" / "html-report.png"
 WINDOW = (1300, 900)
 """The first screen: a laptop's browser window."""
+NARROW = (800, 900)
+"""A window half a screen wide: the page must still fit its width."""
 
 needs_browser = pytest.mark.skipif(
     chromium() is None,
@@ -43,6 +49,7 @@ def test_demo_page(tmp_path: Path) -> None:
     _check_layout(page, tmp_path)
     _check_controls(page, tmp_path)
     _check_screenshot(page, tmp_path)
+    _check_narrow(page, tmp_path)
 
 
 _LAYOUT = """
@@ -173,3 +180,89 @@ def _check_screenshot(page: str, tmp_path: Path) -> None:
 def test_docs_show_the_screenshot() -> None:
     assert png_size(DOCS_PICTURE) == WINDOW
     assert f"]({DOCS_PICTURE.name})" in (ROOT / "docs" / "auditing.md").read_text()
+
+
+_NARROW = """
+function box(e) { var r = e.getBoundingClientRect();
+  return {top: r.top, bottom: r.bottom, left: r.left, right: r.right}; }
+function hit(a, b) { return Math.min(a.right, b.right) - Math.max(a.left, b.left) > 0.5
+                       && Math.min(a.bottom, b.bottom) - Math.max(a.top, b.top) > 0.5; }
+var out = {width: innerWidth, closed: document.documentElement.scrollWidth};
+document.querySelectorAll('details').forEach(function (d) { d.open = true; });
+document.getElementById('f-plumbing').click();
+out.open = document.documentElement.scrollWidth;
+out.body = document.body.scrollWidth;
+// the widest table scrolls inside its box instead of widening the page
+out.scrolls = Array.from(document.querySelectorAll('.scroll')).map(function (d) {
+  return {inner: d.scrollWidth, outer: d.clientWidth, right: box(d).right}; });
+var svg = document.querySelector('svg.ranges');
+out.svg = box(svg);
+var texts = Array.from(svg.querySelectorAll('text')).map(function (t) {
+  return {text: t.textContent, box: box(t)}; });
+var marks = Array.from(svg.querySelectorAll('path.nonfinite, path.carried')).map(function (p) {
+  return {cls: p.getAttribute('class'), box: box(p)}; });
+var bands = Array.from(svg.querySelectorAll('rect.band-n')).map(box);
+out.marks = marks.length;
+out.red = svg.querySelectorAll('path.nonfinite').length;
+out.plotTop = Math.min.apply(null, bands.map(function (b) { return b.top; }));
+out.plotBottom = Math.max.apply(null, bands.map(function (b) { return b.bottom; }));
+out.markBoxes = marks.map(function (m) { return m.box; });
+out.markOverText = [];
+marks.forEach(function (m) { texts.forEach(function (t) {
+  if (hit(m.box, t.box)) out.markOverText.push([m.cls, t.text]); }); });
+out.textOverText = [];
+texts.forEach(function (a, i) { texts.slice(i + 1).forEach(function (b) {
+  if (hit(a.box, b.box)) out.textOverText.push([a.text, b.text]); }); });
+return out;
+"""
+
+
+def _check_narrow(page: str, tmp_path: Path, marks: bool = False) -> dict:
+    """In an 800 px window: no horizontal scroll of the page (its folded tables open, the
+    plumbing rows shown), the chart within the window, no mark over a label and no label
+    over another; and a screenshot of the first screen at that width."""
+    m = measure(page, _NARROW, tmp_path, NARROW)
+    assert m["width"] == NARROW[0]
+    assert m["closed"] <= NARROW[0] and m["open"] <= NARROW[0] and m["body"] <= NARROW[0], m
+    assert any(s["inner"] > s["outer"] for s in m["scrolls"])  # the op table scrolls
+    assert all(s["right"] <= NARROW[0] for s in m["scrolls"])
+    assert 0 < m["svg"]["left"] and m["svg"]["right"] <= NARROW[0]
+    assert m["markOverText"] == [] and m["textOverText"] == []
+    for mark in m["markBoxes"]:  # inside the plot, below the panel titles
+        assert m["plotTop"] - 0.5 <= mark["top"] and mark["bottom"] <= m["plotBottom"], mark
+    if marks:
+        assert m["marks"] > 0
+    png = screenshot(page, tmp_path / "narrow.png", tmp_path, NARROW)
+    assert png_size(png) == NARROW and png.stat().st_size > 30_000
+    return m
+
+
+class _MaskedOverflow(nn.Module):
+    """An attention mask's -inf, written on purpose and passed on (grey marks), and an exp
+    that overflows (a red mark), in a bf16 run (the fp16 loss scale is a what-if)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        scores = (self.q(x) @ x.transpose(-1, -2)).float()
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        return scores.softmax(-1) @ x + (self.q(x).float() * 1e3).exp()
+
+
+@needs_browser
+def test_marks_clear_of_text_in_a_narrow_window(tmp_path: Path) -> None:
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    gm = amprewrite.convert(_MaskedOverflow(), (x,), dtype=torch.bfloat16)
+    with amprewrite.audit() as report:
+        gm(x).float().sum().backward()
+    assert report.first_nonfinite is not None and report.first_nonfinite.op == "exp"
+    page = amprewrite.html_report(gm, report)
+    m = _check_narrow(page, tmp_path, marks=True)
+    # red only where the summary says inf/NaN was produced; grey for the mask's -inf
+    assert m["red"] == sum(1 for r in report.records if r.produced_nonfinite and
+                           (r.max_abs is not None or r.nonfinite))
+    assert m["marks"] == sum(1 for r in report.records if r.nonfinite)

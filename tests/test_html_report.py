@@ -178,15 +178,18 @@ def test_summary_in_words() -> None:
     assert memory_words(179, 183) == "2% less memory than"
     assert memory_words(110, 100) == "10% more memory than"
     assert memory_words(1000, 1001) == "the same memory as"
+    # five rounds whose middle half (0.76x-0.84x of autocast's speed) is slower throughout
     measured = {"forward_ms": {"converted": 11.74, "autocast": 9.11},
+                "forward_rounds": [[11.74, 9.11], [11.0, 9.2], [12.5, 9.0], [11.2, 9.4],
+                                   [12.0, 9.1]],
                 "step_bytes": {"converted": 179 * 1024, "autocast": 183 * 1024},
                 "max_abs_error": {"converted": 1.5e-3, "autocast": 2.5e-3}}
     _, _, _, parsed = _page(report=False, casts={"converted": 15, "autocast": 18},
                          vs_autocast=measured, notes=("measured on a busy machine",))
     rows = {tr.find("th").text: tr.find("td") for tr in parsed.root.find("table", "facts")
             .iter("tr")}
-    assert rows["speed"].text == ("1.29x slower than torch.autocast (forward 11.74 ms vs "
-                                  "9.11 ms)")
+    assert rows["speed"].text == ("1.29x slower than torch.autocast (0.76x-0.84x its speed, "
+                                  "middle half of 5 rounds; forward 11.74 ms vs 9.11 ms)")
     assert rows["speed"].find("b").classes == ["bad"]
     assert rows["memory"].text == ("2% less memory than torch.autocast (training step "
                                    "179 KiB vs 183 KiB)")
@@ -338,7 +341,9 @@ def test_decision_table_folds_plumbing_under_modules() -> None:
                                               f"{'s' if n != 1 else ''} folded)" if n else "")
                       for m, n in runs]
     folded = sum(n for _, n in runs)
-    assert folded and f"{folded} integer/bool/shape nodes folded" in table.parent.text
+    details = table.parent.parent  # the table scrolls in its own box inside the fold
+    assert details.tag == "details" and table.parent.classes == ["scroll", "tall"]
+    assert folded and f"{folded} integer/bool/shape nodes folded" in details.text
     # the filter offers every module and every category of the tables
     options = {s.attrs["id"]: [o.attrs.get("value", o.text) for o in s.iter("option")]
                for s in parsed.root.iter("select")}
@@ -408,3 +413,166 @@ def test_range_chart_of_many_ops_draws_groups() -> None:
     assert labels == ["bf16 max 3.4e38 ↑", "fp16 max 65504", "fp16 normal ≥ 6.1e-5",
                       "fp16 subnormal ≥ 6e-8", "bf16 normal ≥ 1.2e-38 ↓",
                       "bf16 subnormal ≥ 9.2e-41 ↓"]
+
+
+class Masks(nn.Module):
+    """Attention scores masked the four ways models write it on purpose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        future = torch.ones(n, n, dtype=torch.bool).triu(1)
+        scores = (self.q(x) @ x.transpose(-1, -2)).float()
+        filled = scores.masked_fill(future, float("-inf"))
+        added = scores + torch.full((n, n), float("-inf")).triu(1)
+        lowest = scores.masked_fill(future, torch.finfo(torch.float32).min)
+        kept = torch.where(~future, scores, float("-inf"))
+        probs = filled.softmax(-1) + added.softmax(-1) + lowest.softmax(-1) + kept.softmax(-1)
+        return probs @ x
+
+
+class Overflow(nn.Module):
+    """exp of scores far past fp32's range: inf produced from finite values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.q(x).float() * 1e3).exp() + 1
+
+
+def _audited(model: nn.Module, **kwargs: Any) -> tuple[Any, str, Page]:
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    gm = amprewrite.convert(model, (x,), **kwargs)
+    with amprewrite.audit() as report:
+        gm(x).float().sum().backward()
+    page = amprewrite.html_report(gm, report)
+    return report, page, Page(page)
+
+
+def _marks(parsed: Page) -> list[tuple[int, str]]:
+    """(op index, class) of every inf/NaN mark of the range chart, read off its title."""
+    svg = parsed.root.find("svg", "ranges")
+    return [(int(p.find("title").text.split()[0][1:]), p.classes[0]) for p in svg.iter("path")]
+
+
+def _expected_marks(report: Any) -> list[tuple[int, str]]:
+    """The summary's rule: red where an op produced inf/NaN, grey where it only had them."""
+    return [(i, "nonfinite" if r.produced_nonfinite else "carried")
+            for i, r in enumerate(report.records) if r.nonfinite]
+
+
+def _facts(parsed: Page) -> dict[str, Element]:
+    return {tr.find("th").text: tr.find("td") for tr in parsed.root.find("table", "facts")
+            .iter("tr")}
+
+
+def test_masks_written_on_purpose_are_not_marked_as_inf_nan() -> None:
+    report, page, parsed = _audited(Masks())
+    assert report.first_nonfinite is None
+    assert _facts(parsed)["inf/NaN"].text == "none produced"
+    marks = _marks(parsed)
+    # three of the masks write -inf (the finfo.min one is a finite value): each is marked,
+    # grey, with what flows on from it; none red, as the summary says
+    assert len(marks) >= 3 and marks == _expected_marks(report)
+    assert {cls for _, cls in marks} == {"carried"}
+    titles = [p.find("title").text for p in parsed.root.find("svg", "ranges").iter("path")]
+    assert all(t.endswith(", none produced") for t in titles), titles
+    assert any("written on purpose (a mask)" in t for t in titles), titles
+    # the op table marks no row red either
+    ops = next(t for t in parsed.root.iter("details") if "ops" in t.classes)
+    assert not [tr for tr in ops.iter("tr") if "bad" in tr.classes]
+    assert "produced inf/NaN" not in ops.find("summary").text
+
+
+def test_inf_produced_is_marked_red_where_the_summary_names_it() -> None:
+    report, page, parsed = _audited(Overflow())
+    first = report.first_nonfinite
+    assert first is not None and first.op == "exp"
+    assert _facts(parsed)["inf/NaN"].text.startswith("first produced by exp (forward)")
+    marks = _marks(parsed)
+    assert marks == _expected_marks(report)
+    red = [i for i, cls in marks if cls == "nonfinite"]
+    assert red[0] == report.records.index(first)
+    assert ("carried" in {cls for _, cls in marks})  # the add after it only passes it on
+    ops = next(t for t in parsed.root.iter("details") if "ops" in t.classes)
+    assert [int(tr.find("td").text) for tr in ops.iter("tr") if "bad" in tr.classes] == red
+
+
+def test_marks_stay_inside_the_plot_below_the_titles() -> None:
+    _, _, parsed = _audited(Masks())
+    svg = parsed.root.find("svg", "ranges")
+    titles = [t for t in svg.iter("text") if "panel" in t.classes]
+    # the plot's top edge: the top of the band and of the highest grid line
+    top = min(float(r.attrs["y"]) for r in svg.iter("rect") if "band-n" in r.classes)
+    top = min(top, *(float(ln.attrs["y1"]) for ln in svg.iter("line") if "grid" in ln.classes))
+    assert all(float(t.attrs["y"]) < top for t in titles)
+    panels = [(float(t.attrs["x"]), t) for t in titles]
+    for path in svg.iter("path"):
+        x0, y0, dx, dy, h = map(float, re.match(
+            r"M([\d.]+),([\d.]+) l(-?[\d.]+),(-?[\d.]+) h([\d.]+) z", path.attrs["d"]).groups())
+        ys, xs = (y0, y0 + dy), (x0, x0 + dx, x0 + dx + h)
+        assert min(ys) >= top and max(ys) <= top + 12, path.attrs["d"]
+        # within the panel it belongs to: right of its title's start, clear of the left axis
+        start = max(x for x, _ in panels if x <= x0)
+        assert min(xs) >= start, path.attrs["d"]
+
+
+def test_fp16_advice_in_a_bf16_run_is_a_what_if() -> None:
+    _, _, _, parsed = _blocks(torch.bfloat16)
+    facts = _facts(parsed)
+    assert "fp16 loss scale" not in facts
+    row = next(tr for tr in parsed.root.find("table", "facts").iter("tr")
+               if tr.find("th").text == "could it run in fp16?")
+    assert row.classes == ["what-if"]
+    assert row.find("td").text.startswith("with loss scale 2^")
+    assert "(a what-if: bf16 needs no loss scale; max |grad| " in row.find("td").text
+    risks = _section(parsed, "modules")
+    note = risks.find("p", "what-if").text
+    assert note.startswith("A what-if: this run computes in bf16")
+    assert not [tr for tr in risks.iter("tr") if "warn" in tr.classes]
+    # an fp16 run: the loss scale is advice for it
+    _, _, _, parsed = _blocks(torch.float16)
+    assert _facts(parsed)["fp16 loss scale"].text.startswith("2^")
+    assert not list(parsed.root.iter("p", "what-if"))
+
+
+def test_narrow_windows_scroll_tables_in_their_own_box() -> None:
+    # what keeps the page at the window's width (the browser test measures it at 800 px)
+    _, _, page, parsed = _page(report=True)
+    tables = list(parsed.root.iter("table"))
+    assert len(tables) >= 4
+    for table in tables:
+        if "facts" in table.classes:  # two columns whose text wraps
+            continue
+        assert "scroll" in table.parent.classes, table.classes
+    svg = parsed.root.find("svg", "ranges")
+    assert svg.attrs["width"] == "100%" and re.fullmatch(r"0 0 \d+ \d+", svg.attrs["viewbox"])
+    from amprewrite.htmlreport.assets import CSS
+    assert ".scroll{overflow-x:auto;max-width:100%}" in CSS
+    assert "#ranges svg{display:block;width:100%;height:auto;" in CSS
+
+
+def test_speed_row_says_when_rounds_cannot_tell() -> None:
+    base = {"step_bytes": {"converted": 1024, "autocast": 1024},
+            "max_abs_error": {"converted": 1e-3, "autocast": 1e-3}}
+    # rounds that disagree: no direction and no colour
+    noisy = {**base, "forward_ms": {"converted": 10.0, "autocast": 11.0},
+             "forward_rounds": [[10, 7], [10, 8], [10, 9], [10, 11], [10, 12], [10, 13],
+                                [10, 14]]}
+    row = _facts(_page(report=False, vs_autocast=noisy)[3])["speed"]
+    assert row.text == ("about as fast as torch.autocast (too noisy to tell: 0.85x-1.25x its "
+                        "speed, middle half of 7 rounds; forward 10.00 ms vs 11.00 ms)")
+    assert not list(row.iter("b"))
+    # one figure, no rounds: stated as such, never as a verdict
+    single = {**base, "forward_ms": {"converted": 25.44, "autocast": 2.31}}
+    row = _facts(_page(report=False, vs_autocast=single)[3])["speed"]
+    assert row.text == ("too few rounds to compare with torch.autocast (1 round: 0.09x its "
+                        "speed; forward 25.44 ms vs 2.31 ms)")
+    assert not list(row.iter("b"))

@@ -149,8 +149,9 @@ def test_a_mode_that_cannot_be_captured_raises_when_called() -> None:
         warnings.simplefilter("error", UserWarning)
         warnings.filterwarnings("ignore", message=".*bf16 matmuls run in emulation")
         gm = amprewrite.convert(model, (X,), policy=PRESET)  # train mode: not captured yet
+    out = gm(X)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert torch.equal(gm(X), model(X))
+        assert torch.equal(out, model(X))
     with pytest.warns(UserWarning, match="could not be captured in train mode"):
         gm.train()
     assert NOT_CAPTURED_KEY in gm.meta

@@ -11,7 +11,8 @@ Each finding names the node and gives a fix. Rules:
   guards the division or square root after it.
 * ``matmul-alignment``: an fp16/bf16 matmul or convolution with a reduction or output
   dimension that is not a multiple of 8 (tensor cores need it), weighted by its share of the
-  graph's low-precision FLOPs.
+  graph's low-precision FLOPs. Given only for a module on CUDA (or ``device="cuda"``): the
+  advice is about tensor cores, which a CPU does not have.
 * ``fp16-param-grad``: an fp16 parameter that requires grad; ``GradScaler.unscale_`` refuses
   fp16 gradients ("Attempting to unscale FP16 gradients").
 
@@ -60,13 +61,17 @@ class Lint:
         return f"[{self.rule}] {self.node}: {self.message}\n    fix: {self.fix}"
 
 
-def lint(gm: fx.GraphModule, *, grad_scaler: bool | None = None) -> list[Lint]:
+def lint(gm: fx.GraphModule, *, grad_scaler: bool | None = None,
+         device: torch.device | str | None = None) -> list[Lint]:
     """Check a GraphModule made by :func:`amprewrite.convert` for fp16/bf16 pitfalls.
 
     Args:
         gm: the converted module.
         grad_scaler: whether gradients will go through ``torch.amp.GradScaler`` (checks fp16
             parameters that require grad); default: when the graph's low dtype is fp16.
+        device: the device the module will run on, which decides the advice that depends on
+            it (``matmul-alignment`` is CUDA's); default: the device of its parameters, else
+            of its example inputs, else the CPU.
 
     Returns:
         A list of :class:`Lint`, each printable; empty when nothing was found.
@@ -83,13 +88,32 @@ def lint(gm: fx.GraphModule, *, grad_scaler: bool | None = None) -> list[Lint]:
     if grad_scaler is None:
         grad_scaler = low == torch.float16
     out = list(_constants(gm))
-    out += _alignment(gm)
+    if advice_device(gm, device) == "cuda":
+        out += _alignment(gm)
     if grad_scaler:
         out += _fp16_params(gm)
     return out
 
 
 # -- helpers -------------------------------------------------------------------------------
+def advice_device(gm: fx.GraphModule, device: torch.device | str | None = None) -> str:
+    """The device type :func:`lint` gives its advice for: ``device``'s, else that of ``gm``'s
+    parameters (or buffers), else that of its example inputs, else ``"cpu"``."""
+    if device is not None:
+        try:
+            return torch.device(device).type
+        except (RuntimeError, TypeError):
+            raise ValueError(f"amprewrite.lint: device={device!r} is not a device; pass "
+                             "'cuda', 'cpu' or a torch.device") from None
+    for t in (*gm.parameters(), *gm.buffers()):
+        return t.device.type
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.device.type
+    return "cpu"
+
+
 def _op(node: fx.Node) -> str:
     return op_key(node)
 

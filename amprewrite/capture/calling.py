@@ -41,13 +41,14 @@ import linecache
 import sys
 import traceback
 import types
+import warnings
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..errors import AmpRewriteError
+from ..errors import _OWN_DIRS, AmpRewriteError, AutocastOverrideWarning, user_stacklevel
 from ..graph.codegen import recompile_with_bindings
 from ..graph.inputs import input_mismatch
 from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
@@ -92,6 +93,13 @@ def _held_graph_forward(generated: Any) -> Any:
     the generated signature until :func:`~.model_view.adopt_model` gives it the model's."""
     @functools.wraps(generated)
     def forward(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        # NB: checked here, not in __call__: accelerate's mixed_precision enters autocast in a
+        # wrapper of the instance's forward, between the two. Not while compiling: Dynamo
+        # folds is_compiling() and sees nothing else, and torch.export (compiling too) traces
+        # a model that holds this module under its policy's autocast (an autocast preset).
+        if not torch.compiler.is_compiling() and _any_autocast_enabled() \
+                and _AUTOCAST_WARNED_ATTR not in self.__dict__:
+            _warn_if_under_autocast(self, args, kwargs)
         return self.__dict__[FORWARD_ATTR](self, *args, **kwargs)
 
     return forward
@@ -231,6 +239,54 @@ def _converted_call(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
         return _run(self, guard, args, kwargs)
     finally:
         CAPTURE_LOCK.release_read()
+
+
+_any_autocast_enabled = torch._C._is_any_autocast_enabled
+"""Whether ``torch.autocast`` is enabled in this thread for any device type: one C call (about
+0.2 µs) on every call of a converted module. NB: private, but the only single check of every
+device type; tests/test_autocast_inside.py fails on a release without it."""
+
+
+_AUTOCAST_WARNED_ATTR = "_amp_autocast_warned"
+"""Set on a converted module once it has warned that it was called under autocast."""
+
+
+def _warn_if_under_autocast(self: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -> None:
+    """An :class:`AutocastOverrideWarning`, once per module, when autocast is enabled for a
+    device type the call's tensor inputs or the module's parameters are on."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    param = next(self.parameters(), None)
+    devices = {t.device.type for t in tensors + ([param] if param is not None else [])}
+    under = sorted(d for d in devices if torch.is_autocast_enabled(d))
+    if not under:
+        return  # autocast of another device type: it does not touch this module's ops
+    self.__dict__[_AUTOCAST_WARNED_ATTR] = True
+    device = under[0]
+    low = str(torch.get_autocast_dtype(device)).replace("torch.", "")
+    warnings.warn(
+        f"amprewrite: the converted {type(self).__name__} was called inside "
+        f"torch.autocast({device!r}, dtype=torch.{low}), which casts again on top of the "
+        "casts in its graph: an op its policy keeps in fp32 (a keep_fp32 override, say) runs "
+        f"in {low} if autocast lists it as low precision, and nothing says so. Call the "
+        "converted module outside torch.autocast (with accelerate: Accelerator("
+        "mixed_precision=\"no\"); the casts are in the graph); for torch.autocast's own "
+        f"numerics, convert with policy=amprewrite.Policy.autocast({device!r}, torch.{low}), "
+        "which computes what the model computes under that autocast. (Given once per "
+        "converted module.)",
+        AutocastOverrideWarning, stacklevel=_stacklevel_past_call() or user_stacklevel())
+
+
+def _stacklevel_past_call() -> int | None:
+    """The ``stacklevel``, for a warning raised by the caller, of the user's line that called
+    the converted module: the first frame outside amprewrite and torch past its ``__call__``
+    (:func:`user_stacklevel` would stop at accelerate's wrapper of ``forward``, which sits
+    below it); None when ``forward`` was called without it."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code is not _converted_call.__code__:
+        frame, level = frame.f_back, level + 1
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else None
 
 
 def _run(self: fx.GraphModule, guard: Any, args: tuple, kwargs: dict[str, Any]) -> Any:

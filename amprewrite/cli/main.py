@@ -6,16 +6,21 @@
     python -m amprewrite explain pkg.module:factory        # your model: graph + decisions
     python -m amprewrite audit pkg.module:factory          # your model: one training step
     python -m amprewrite demo --html report.html           # the same as one HTML page
-    python -m amprewrite compare|search|memory pkg.module:factory   # see _cli_precision
+    python -m amprewrite lint pkg.module:factory           # your model: fp16/bf16 pitfalls
+    python -m amprewrite compare|search|memory pkg.module:factory   # see cli/precision.py
 
 A factory is a function of no arguments returning ``(model, example_inputs)`` (a module and a
-tuple of positional inputs), or ``(model, example_inputs, example_kwargs)``. Each of the three
-prints a summary first (model, hardware, policy, ops per precision, casts against
-``torch.autocast``'s); ``--all-nodes`` lists every node's decision, not only float compute,
-``--casts-only`` prints only the cast lines of ``gm.code`` (and their neighbours), ``--html
-PATH`` also writes one self-contained HTML report. Targets may also
-be files: ``path/to/file.py:factory``. Errors in the target or in what the factory returns are
-reported on one line (exit status 2); a model that cannot be converted exits with status 1.
+tuple of positional inputs), or ``(model, example_inputs, example_kwargs)``. demo, explain,
+audit and lint print a summary first (model, hardware, policy, ops per precision and, but for
+lint, which runs nothing, casts against ``torch.autocast``'s); ``--all-nodes`` lists every
+node's decision, not only float compute, ``--casts-only`` prints only the cast lines of
+``gm.code`` (and their neighbours), ``--html PATH`` also writes one self-contained HTML report
+and prints its absolute path. Targets may also be files: ``path/to/file.py:factory``. Errors
+in the target or in what the factory returns are reported on one line (exit status 2); a
+model that cannot be converted exits with status 1.
+Every warning the library gives while a command runs (a model in train mode whose dropout makes
+``compare`` meaningless, a checkpoint that export records as plain ops, ...) is printed once, on
+stderr after the command's output, as ``amprewrite: warning: ...``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import io
 import json
 import logging
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -72,7 +78,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="convert a small transformer; print its graph, decisions and audit")
     for name, text, parents in (
             ("explain", "print the rewritten graph and every decision", [common, view, code]),
-            ("audit", "audit the dtypes and ranges of one training step", [common, view])):
+            ("audit", "audit the dtypes and ranges of one training step", [common, view]),
+            ("lint", "static checks for fp16/bf16 pitfalls (overflowing fills, tiny epsilons, "
+                     "fp16 parameters; on CUDA, tensor-core alignment), each with a fix",
+             [common])):
         cmd = sub.add_parser(name, parents=parents, help=text)
         cmd.add_argument("target", help="pkg.module:factory or path/to/file.py:factory; "
                                         "the factory returns (model, example_inputs)")
@@ -95,19 +104,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     # torch logs graph dumps and warnings of failed captures; our message says what matters.
     logging.getLogger("torch").setLevel(logging.ERROR)
-    try:
-        result = _run(args, model, inputs, kwargs)
-    except CliError as exc:
-        print(f"amprewrite: error: {exc}", file=sys.stderr)
-        return 2
-    except (ValueError, TypeError, RuntimeError) as exc:  # AmpRewriteError is a RuntimeError
-        hint = "\nFrom the command line: add --capture compile." if \
-            "could not capture" in str(exc) and args.capture != "compile" else ""
-        print(f"amprewrite: cannot convert {type(model).__name__}: {type(exc).__name__}: "
-              f"{exc}{hint}", file=sys.stderr)
-        return 1
-    print(json.dumps(result, indent=2) if args.json else result)
-    return 0
+    # NB: recorded, not shown as raised: the commands silence stderr around captures (torch
+    # prints partial graphs there), which would swallow the library's warnings with it.
+    with warnings.catch_warnings(record=True) as caught:
+        error, status = None, 0
+        try:
+            result = _run(args, model, inputs, kwargs)
+        except CliError as exc:
+            error, status = f"amprewrite: error: {exc}", 2
+        except (ValueError, TypeError, RuntimeError) as exc:  # AmpRewriteError: a RuntimeError
+            hint = "\nFrom the command line: add --capture compile." if \
+                "could not capture" in str(exc) and args.capture != "compile" else ""
+            error, status = (f"amprewrite: cannot convert {type(model).__name__}: "
+                             f"{type(exc).__name__}: {exc}{hint}"), 1
+    if error is None:
+        print(json.dumps(result, indent=2) if args.json else result)
+    for line in _warning_lines(caught):
+        print(line, file=sys.stderr)
+    if error is not None:
+        print(error, file=sys.stderr)
+    return status
+
+
+def _warning_lines(caught: list[warnings.WarningMessage]) -> list[str]:
+    """Each warning raised during a command, once, as ``amprewrite: warning: ...`` (the
+    category named when it is not a plain UserWarning)."""
+    lines: list[str] = []
+    for w in caught:
+        text = str(w.message).removeprefix("amprewrite: ")
+        kind = "" if w.category is UserWarning else f" ({w.category.__name__})"
+        line = f"amprewrite: warning{kind}: {text}"
+        if line not in lines:
+            lines.append(line)
+    return lines
 
 
 # -- targets ----------------------------------------------------------------------------------
@@ -225,7 +254,10 @@ def _run(args: argparse.Namespace, model: nn.Module, inputs: tuple, kwargs: dict
         converted, graphs, call = _convert(args, model, inputs, kwargs)
     dtype = DTYPES[args.dtype]
     all_nodes = getattr(args, "all_nodes", False)
-    casts = count_forward_casts(model, call, inputs, kwargs, dtype)
+    # NB: lint only reads the graph: a model whose converted forward fails (an fp16 fill that
+    # overflows) is what it is there to explain.
+    casts = None if args.command == "lint" else \
+        count_forward_casts(model, call, inputs, kwargs, dtype)
     facts = [graph_facts(gm) for gm in graphs]
     summary: dict[str, Any] = {"graphs": facts, "forward_casts": casts}
     loss_fn = _demo_loss if args.command == "demo" else _generic_loss
@@ -241,6 +273,8 @@ def _run(args: argparse.Namespace, model: nn.Module, inputs: tuple, kwargs: dict
             for i, gm in enumerate(graphs))
         out["explain"] = explain_records(converted) if args.json else \
             decision_tables(converted, all_nodes=all_nodes)
+    if args.command == "lint":
+        out["lint"] = _lint(graphs, args.json)
     report = None
     if args.command in ("demo", "audit"):
         report = _audit_step(model, call, loss_fn)
@@ -249,15 +283,34 @@ def _run(args: argparse.Namespace, model: nn.Module, inputs: tuple, kwargs: dict
         else:
             out["audit"] = report.to_dict() if args.json else \
                 _audit_text(report, max_rows=15 if args.command == "demo" else 40)
-    if args.html:
+    html = getattr(args, "html", None)
+    if html:
         from ..htmlreport import html_report
 
-        html_report(converted, audit_report=report, path=args.html,
+        html_report(converted, audit_report=report, path=html,
                     casts=summary["forward_casts"], vs_autocast=summary.get("vs_autocast"))
+        out["html"] = str(Path(html).resolve())
     if args.json:
         return out
     out["summary"] = _summary_text(summary, len(graphs) > 1)
     return _text(out)
+
+
+def _lint(graphs: list[Any], as_json: bool) -> Any:
+    """``amprewrite.lint`` of each graph: its findings, or (as text) a line that says that
+    none were found and which device's advice was checked."""
+    import dataclasses
+
+    from ..audit.lints import advice_device, lint
+
+    findings = [finding for gm in graphs for finding in lint(gm)]
+    if as_json:
+        return [dataclasses.asdict(finding) for finding in findings]
+    device = advice_device(graphs[0])
+    note = f"advice for {device}" + ("" if device == "cuda" else
+                                     "; tensor-core alignment is checked on CUDA only")
+    return "\n".join(map(str, findings)) + f"\n({note})" if findings else \
+        f"nothing found ({note})"
 
 
 def _summary_text(summary: dict[str, Any], several: bool) -> str:
@@ -268,8 +321,8 @@ def _summary_text(summary: dict[str, Any], several: bool) -> str:
     for i, facts in enumerate(summary["graphs"]):
         lines += ([f"graph {i}:"] if several else []) + summary_lines(
             facts, None if several else summary["forward_casts"])
-    if several:
-        casts = summary["forward_casts"]
+    casts = summary["forward_casts"]
+    if several and casts is not None:
         lines.append(f"one forward runs {casts['converted']} cast kernels, torch.autocast "
                      f"{casts['autocast']}")
     if "vs_autocast" in summary:
@@ -280,8 +333,11 @@ def _summary_text(summary: dict[str, Any], several: bool) -> str:
 def _text(out: dict[str, Any]) -> str:
     titles = {"summary": "summary", "code": "rewritten graph (gm.code; # cast marks casts)",
               "explain": "decisions on floating tensors (amprewrite.explain)",
+              "lint": "fp16/bf16 pitfalls (amprewrite.lint)",
               "audit": "one training step (amprewrite.audit)"}
-    return "\n\n".join(f"== {titles[key]} ==\n{value}" for key, value in out.items())
+    html = out.pop("html", None)
+    return "\n\n".join(f"== {titles[key]} ==\n{value}" for key, value in out.items()) + \
+        (f"\n\nwrote the HTML report: {html}" if html else "")
 
 
 def _demo_loss(out: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,9 @@ __all__ = ["CSS", "JS"]
 
 # Precision colours: low blue, fp32 orange, passthrough grey, fp8 purple, casts yellow; the
 # code, the module bars and the range chart use the same ones.
+# Narrow windows (800 px): nothing is wider than the page; a wide table scrolls in its own
+# box (.scroll), the SVG scales with its viewBox, and below 720 px the first screen's two
+# columns stack.
 CSS = """
 :root{--low:#2f6fce;--f32:#e0851f;--pass:#c4cad2;--fp8:#8a4fd0;--cast:#f2c230;--ink:#1d232a;
 --mute:#5f6b78;--line:#e3e6ea}
@@ -19,6 +22,7 @@ main{padding:0 20px 40px}
 h2{font-size:15px;margin:14px 0 6px}h3{font-size:13px;margin:12px 0 4px}
 .note,.detail{color:var(--mute);font-weight:normal;font-size:12px}
 .first{display:flex;gap:28px;align-items:flex-start}
+@media (max-width:720px){.first{flex-direction:column}.first>section{width:100%}}
 #modules{flex:3 1 0;min-width:0}#summary{flex:2 1 0;min-width:0}
 .mcontrols{display:flex;flex-wrap:wrap;gap:6px 18px;align-items:center;font-size:12px;
 margin-bottom:6px}
@@ -46,7 +50,9 @@ var(--line)}
 td.num{text-align:right;white-space:nowrap}td.mod{font-family:ui-monospace,monospace;
 overflow-wrap:anywhere}
 tr.warn td{background:#fff4e0}tr.bad td{background:#fde8e6}
-#ranges svg{display:block;max-width:1300px}
+tr.what-if th{font-style:italic}p.what-if{margin:0 0 4px}
+.scroll{overflow-x:auto;max-width:100%}.scroll.tall{overflow:auto;max-height:85vh}
+#ranges svg{display:block;width:100%;height:auto;max-width:1300px}
 svg .band-n{fill:#dcebdc}svg .band-s{fill:#eef5ee}
 svg .grid{stroke:#e6e8eb;stroke-width:1}svg .edge{stroke:#5b8a5b;stroke-dasharray:4 3}
 svg text{font:11px system-ui,sans-serif;fill:var(--mute)}svg text.tick{text-anchor:end}
@@ -55,6 +61,7 @@ svg text.ref{fill:var(--mute);stroke:none}svg text.panel{fill:var(--ink);font-we
 svg text.fp8{fill:var(--fp8)}
 svg .ops line.low{stroke:var(--low)}svg .ops line.f32{stroke:var(--f32)}
 svg .ops line.other{stroke:#8a939e}svg .nonfinite{fill:#d93025}
+svg .carried{fill:none;stroke:#8a939e;stroke-width:1}
 svg .h-normal{fill:var(--low)}svg .h-subnormal{fill:#e0a030}
 svg .h-flush,svg .h-overflow{fill:#d93025}
 pre.code{font:12px/16px ui-monospace,monospace;white-space:pre-wrap;overflow-wrap:anywhere;
@@ -66,7 +73,7 @@ pre.code .ln{display:block;padding-left:8ch;text-indent:-8ch}
 p.legend span{margin-right:.8em;padding:0 3px}
 .filters{display:flex;flex-wrap:wrap;gap:6px 18px;align-items:center;font-size:12px;
 margin:14px 0 6px;padding:6px 10px;background:#f6f7f9;border:1px solid var(--line)}
-.filters select{max-width:24em}
+.filters select{max-width:min(24em,100%)}
 details.fold{border-top:1px solid var(--line)}
 details.fold summary{cursor:pointer;padding:4px 0}
 details.fold summary h2{display:inline;margin:0}

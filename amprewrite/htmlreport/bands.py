@@ -1,9 +1,10 @@
 """The range of a low-precision format, as the charts draw it: a band from its smallest
 subnormal to its largest finite value, darker where its values are normal; and how the page
-writes dtypes and magnitudes."""
+writes dtypes, magnitudes and long names."""
 
 from __future__ import annotations
 
+from html import escape
 from typing import NamedTuple
 
 import torch
@@ -11,7 +12,7 @@ import torch
 from ..audit.tables import magnitude
 from ..summary import short_dtype
 
-__all__ = ["Band", "band_of", "fate", "dtype_label", "magnitude", "number"]
+__all__ = ["Band", "band_of", "fate", "dtype_label", "magnitude", "number", "breakable"]
 
 _NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "e4m3",
           torch.float8_e5m2: "e5m2"}
@@ -61,3 +62,9 @@ def number(x: float) -> str:
         return f"{x:.5g}"
     mantissa, exponent = f"{x:.2g}".split("e")
     return f"{mantissa}e{int(exponent)}"
+
+
+def breakable(name: str) -> str:
+    """``name`` as HTML that may wrap after a dot or an underscore (a module path in a narrow
+    column breaks between its parts, not inside one)."""
+    return escape(name).replace(".", ".<wbr>").replace("_", "_<wbr>")

@@ -1,6 +1,9 @@
 """The summary beside the first chart: a small table of what was converted and how it
-compares with ``torch.autocast``, in words ("1.3x faster", "2% less memory"), and the ops
-closest to fp16 overflow with their module."""
+compares with ``torch.autocast``, in words ("1.3x faster", "2% less memory"; speed with the
+spread of its timing rounds, or "too noisy to tell"), and the ops closest to fp16 overflow
+with their module. In a run whose low dtype is not fp16, what the audit says of fp16 (the
+overflow risk, a loss scale) answers a question, "could this run in fp16?", and is labelled
+as that, not as advice for the run."""
 
 from __future__ import annotations
 
@@ -8,7 +11,8 @@ import math
 from html import escape
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .bands import magnitude
+from ..summary import AS_FAST_WITHIN, MIN_ROUNDS_TO_TELL, UNSURE, speed_spread, speed_verdict
+from .bands import breakable, magnitude
 from .modules import TOP_LEVEL
 
 if TYPE_CHECKING:
@@ -22,19 +26,6 @@ def _ratio(x: float) -> str:
     return f"{x:.2f}".rstrip("0").rstrip(".")
 
 
-AS_FAST_WITHIN = 0.03
-"""A speed ratio this close to 1 either way reads "as fast": the spread of interleaved rounds
-on a quiet machine. The demo's line and the page say the same."""
-
-
-def speed_verdict(speedup: float) -> str:
-    """``"faster"``, ``"slower"`` or ``"as fast"``: torch.autocast's time over ours (above 1:
-    faster, as in every table of the project), with :data:`AS_FAST_WITHIN`."""
-    if abs(speedup - 1) < AS_FAST_WITHIN:
-        return "as fast"
-    return "faster" if speedup > 1 else "slower"
-
-
 def speed_words(converted_ms: float, autocast_ms: float) -> str:
     """``"1.3x faster than"`` / ``"1.29x slower than"`` / ``"as fast as"`` (torch.autocast:
     :func:`speed_verdict`)."""
@@ -44,6 +35,28 @@ def speed_words(converted_ms: float, autocast_ms: float) -> str:
         return "as fast as"
     return f"{_ratio(speedup)}x faster than" if verdict == "faster" else \
         f"{_ratio(1 / speedup)}x slower than"
+
+
+def _speed_row(vs_autocast: dict[str, Any]) -> str:
+    """The speed row: the median round in words, green or red, and the spread of the rounds
+    it stands on; neither colour when the rounds disagree (:func:`speed_spread`). A
+    measurement without rounds (only ``forward_ms``) is one round: too few to tell."""
+    t = vs_autocast["forward_ms"]
+    spread = speed_spread(vs_autocast.get("forward_rounds",
+                                          [(t["converted"], t["autocast"])]))
+    times = f"forward {t['converted']:.2f} ms vs {t['autocast']:.2f} ms"
+    if spread.rounds < MIN_ROUNDS_TO_TELL:
+        return _row("speed", "too few rounds to compare with",
+                    f"({spread.rounds} round{'s' if spread.rounds > 1 else ''}: "
+                    f"{_ratio(spread.ratio)}x its speed; {times})",
+                    vs=True)
+    its = (f"{spread.low:.2f}x-{spread.high:.2f}x its speed, middle half of {spread.rounds} "
+           "rounds")
+    if spread.verdict == UNSURE:
+        return _row("speed", "about as fast as", f"({UNSURE}: {its}; {times})", vs=True)
+    how_much = "" if spread.sized else f"how much is {UNSURE}: "
+    return _row("speed", speed_words(1.0, spread.ratio), f"({how_much}{its}; {times})",
+                good=spread.verdict != "slower", vs=True)
 
 
 def memory_words(converted: float, autocast: float) -> str:
@@ -60,16 +73,18 @@ def _kib(n: float) -> str:
 
 
 def _row(key: str, value: str, detail: str = "", good: bool | None = None,
-         vs: bool = False) -> str:
+         vs: bool = False, what_if: bool = False) -> str:
     """``key``: ``value`` (bold green or red when ``good`` says how it compares; followed
-    by "torch.autocast" with ``vs``, which ends the sentence) and ``detail`` in grey."""
+    by "torch.autocast" with ``vs``, which ends the sentence) and ``detail`` in grey;
+    ``what_if`` rows answer a hypothetical question (class ``what-if``)."""
     text = escape(value)
     if good is not None:
         text = f"<b class='{'good' if good else 'bad'}'>{text}</b>"
     if vs:
         text += " torch.autocast"
     extra = f" <span class='detail'>{escape(detail)}</span>" if detail else ""
-    return f"<tr><th>{escape(key)}</th><td>{text}{extra}</td></tr>"
+    tr = "<tr class='what-if'>" if what_if else "<tr>"
+    return f"{tr}<th>{escape(key)}</th><td>{text}{extra}</td></tr>"
 
 
 def summary_table(facts: Sequence[dict[str, Any]], low: str, casts: dict[str, int] | None,
@@ -97,22 +112,19 @@ def summary_table(facts: Sequence[dict[str, Any]], low: str, casts: dict[str, in
         rows.append(_row("casts per forward", words, f"({ours} cast kernels vs {theirs})",
                          good=ours <= theirs, vs=True))
     if vs_autocast is not None:
-        t, b, e = (vs_autocast[k] for k in ("forward_ms", "step_bytes", "max_abs_error"))
-        rows.append(_row("speed", speed_words(t["converted"], t["autocast"]),
-                         f"(forward {t['converted']:.2f} ms vs {t['autocast']:.2f} ms)",
-                         good=speed_verdict(t["autocast"] / t["converted"]) != "slower",
-                         vs=True))
+        b, e = vs_autocast["step_bytes"], vs_autocast["max_abs_error"]
+        rows.append(_speed_row(vs_autocast))
         rows.append(_row("memory", memory_words(b["converted"], b["autocast"]),
                          f"(training step {_kib(b['converted'])} vs {_kib(b['autocast'])})",
                          good=b["converted"] <= b["autocast"] * 1.005, vs=True))
         rows.append(_row("error", f"max |output − fp32 output| {e['converted']:.3g}",
                          f"(torch.autocast {e['autocast']:.3g})"))
     if report is not None:
-        rows += _audit_rows(report)
+        rows += _audit_rows(report, low)
     return "<table class='facts'>" + "".join(rows) + "</table>"
 
 
-def _audit_rows(report: "AuditReport") -> list[str]:
+def _audit_rows(report: "AuditReport", low: str) -> list[str]:
     s = report.summary()
     phases = ", ".join(f"{sum(per.values())} {phase}" for phase, per in
                        s["ops_per_dtype"].items() if per)
@@ -125,28 +137,43 @@ def _audit_rows(report: "AuditReport") -> list[str]:
     hist = report.grad_histogram
     if hist is not None and hist.recommended_loss_scale is not None:
         scale = hist.recommended_loss_scale
-        rows.append(_row("fp16 loss scale", f"2^{round(math.log2(scale))} = {scale:g}",
-                         f"(max |grad| {hist.max_abs:.3g}; {hist.fp16_flush_fraction:.1%} of "
-                         "gradient values below fp16's smallest subnormal)"))
+        power = f"2^{round(math.log2(scale))} = {scale:g}"
+        grads = (f"max |grad| {hist.max_abs:.3g}; {hist.fp16_flush_fraction:.1%} of gradient "
+                 "values below fp16's smallest subnormal")
+        if low == "fp16":
+            rows.append(_row("fp16 loss scale", power, f"({grads})"))
+        else:
+            # NB: a question about another dtype, not advice: bf16 has fp32's exponent range,
+            # and this run needs no loss scale.
+            rows.append(_row("could it run in fp16?", f"with loss scale {power}",
+                             f"(a what-if: {low} needs no loss scale; {grads})",
+                             what_if=True))
     return rows
 
 
-def risk_table(report: "AuditReport") -> str:
+def risk_table(report: "AuditReport", low: str = "fp16") -> str:
     """The ops closest to fp16 overflow (real risk first, masks last), with their module;
-    empty when none has a nonzero value."""
+    empty when none has a nonzero value. When ``low`` (the run's low dtype) is not fp16, the
+    table answers "could this run in fp16?": its overflows are marked as ones that would
+    happen, in no warning colour."""
+    fp16 = low == "fp16"
     rows = []
     for item in report.summary()["top_overflow_risk"]:
         r = report.records[item["record"]]
-        room = f"overflowed ({r.fp16_overflow} values)" if r.fp16_overflow else \
-            f"{item['headroom_bits']:.1f} bits"
+        room = f"{'overflowed' if fp16 else 'would overflow'} ({r.fp16_overflow} values)" \
+            if r.fp16_overflow else f"{item['headroom_bits']:.1f} bits"
         if r.is_mask:
             room += " (a mask)"
-        rows.append(f"<tr{' class=warn' if r.fp16_overflow else ''}><td>{escape(r.label)} "
+        warn = " class=warn" if r.fp16_overflow and fp16 else ""
+        rows.append(f"<tr{warn}><td>{escape(r.label)} "
                     f"<span class='detail'>{escape(r.phase)}</span></td><td class='mod'>"
-                    f"{escape(r.module or TOP_LEVEL)}</td><td class='num'>"
+                    f"{breakable(r.module or TOP_LEVEL)}</td><td class='num'>"
                     f"{magnitude(r.max_abs)}</td><td class='num'>{escape(room)}</td></tr>")
     if not rows:
         return ""
-    return ("<h3>closest to fp16 overflow (65504)</h3><table class='risk'><thead><tr><th>op"
-            "</th><th>module</th><th>max |x|</th><th>fp16 headroom</th></tr></thead><tbody>"
-            + "".join(rows) + "</tbody></table>")
+    what_if = "" if fp16 else (
+        f"<p class='note what-if'>A what-if: this run computes in {escape(low)}, which holds "
+        "these values; the table answers “could this run in fp16?”</p>")
+    return ("<h3>closest to fp16 overflow (65504)</h3>" + what_if + "<div class='scroll'>"
+            "<table class='risk'><thead><tr><th>op</th><th>module</th><th>max |x|</th><th>"
+            "fp16 headroom</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table></div>")

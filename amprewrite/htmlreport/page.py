@@ -53,8 +53,10 @@ def html_report(target: Any, audit_report: "AuditReport | None" = None, *,
     ``target`` is what :func:`amprewrite.explain` takes. ``casts`` (from
     :func:`amprewrite.summary.count_forward_casts`) adds the cast kernels of one forward
     against ``torch.autocast``'s; ``vs_autocast`` the forward time, training-step memory
-    and error of both (``{"forward_ms": {"converted": ms, "autocast": ms}, "step_bytes":
-    {...}, "max_abs_error": {...}}``, as ``python -m amprewrite demo`` measures them);
+    and error of both (``{"forward_ms": {"converted": ms, "autocast": ms},
+    "forward_rounds": [[converted ms, autocast ms], ...], "step_bytes": {...},
+    "max_abs_error": {...}}``, as ``python -m amprewrite demo`` measures them; the speed is
+    judged over the rounds, with their spread, and without rounds not judged at all);
     ``notes`` are extra lines under the summary. Returns the HTML; with ``path``, also
     writes it there.
     """
@@ -66,7 +68,7 @@ def html_report(target: Any, audit_report: "AuditReport | None" = None, *,
     summary = summary_table([rec["facts"] for rec in records], low_name, casts, vs_autocast,
                             audit_report)
     summary += "".join(f"<p class='note'>{escape(line)}</p>" for line in notes)
-    risks = risk_table(audit_report) if audit_report is not None else ""
+    risks = risk_table(audit_report, low_name) if audit_report is not None else ""
     body = ["<div class='first'><section id='modules'><h2>precision per module</h2>"
             f"{module_chart(rows, low_name)}{risks}</section>"
             f"<section id='summary'><h2>summary</h2>{summary}</section></div>"]
@@ -101,8 +103,10 @@ def _range_section(report: "AuditReport", low: torch.dtype, fp8_modules: set[str
     caption = (f"Band: {band.name}'s range, dark where its values are normal (from "
                f"{number(band.normal)} to {number(band.max)}), light where subnormal (down to "
                f"{number(band.smallest)}){fp8}{ref}. Lines: the dtype an op produced, blue "
-               "low precision, orange fp32, grey other; red mark: inf/NaN. Hover a line "
-               "for its op.")
+               "low precision, orange fp32, grey other. Marks at the top: red, an op that "
+               "produced inf/NaN from finite values (what the summary counts); grey, an op "
+               "that only carried them (a mask's -inf, written on purpose, and what it flows "
+               "through). Hover a line for its op.")
     found = out_of_band(report.records, low, fp8_modules)
     if band.name != "fp16":
         found += " Against fp16: " + out_of_band(report.records, torch.float16, fp8_modules)

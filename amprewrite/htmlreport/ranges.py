@@ -8,6 +8,11 @@ ops of fp8 layers. Beside them, on the same axis, the gradient histogram: the sh
 backward-op output values per power of two, as Figure 3 of the Mixed Precision Training
 paper plots it, each bucket coloured by what the low dtype makes of it.
 
+inf/NaN are marked by the rule the summary counts them with (``OpRecord.produced_nonfinite``):
+red where an op made them from finite inputs, grey where an op only carried them (an attention
+mask's ``-inf``, written on purpose, and every op it flows through). Marks sit inside the plot,
+clear of the panel titles above it.
+
 Everything is drawn here, as SVG text: no plotting library, no script.
 """
 
@@ -31,6 +36,10 @@ __all__ = ["range_chart", "out_of_band"]
 _W, _TOP, _BOTTOM = 1200, 34, 300
 _LEFT, _LABELS, _HIST, _GAP = 46, 150, 170, 14
 _H = _BOTTOM + 22
+_MARK = 3.5
+"""Half the width of an inf/NaN mark (a triangle twice as tall)."""
+_CHAR_W = 6.6
+"""Width of a character of a panel title (11 px, semibold), generous: titles are cut to fit."""
 _MAX_COLUMNS = 600
 """More ops than this in one phase are drawn in groups of consecutive ops (their envelope)."""
 _LOW_DTYPES = ("float16", "bfloat16")
@@ -41,9 +50,29 @@ class _Column(NamedTuple):
     hi: float | None
     kind: str
     """CSS class: ``low``, ``f32`` or ``other`` (the dtype produced)."""
-    nonfinite: bool
+    mark: str | None
+    """``"nonfinite"`` when an op of the column produced inf/NaN, ``"carried"`` when its
+    ops only carried them (given, or written on purpose), else None."""
     band: Band
     title: str
+
+
+def _mark(records: Sequence["OpRecord"]) -> str | None:
+    """The marker of ``records``: the summary's rule, ``produced_nonfinite``, decides red."""
+    if any(r.produced_nonfinite for r in records):
+        return "nonfinite"
+    return "carried" if any(r.nonfinite for r in records) else None
+
+
+def _nonfinite_words(r: "OpRecord") -> str:
+    """How a column's title names an op's inf/NaN: made there, or only carried."""
+    if not r.nonfinite:
+        return ""
+    if r.produced_nonfinite:
+        return f", produced {r.nonfinite} inf/NaN"
+    how = "written on purpose (a mask)" if r.mask_fill or not any(
+        d.startswith(("float", "bfloat")) for d in r.in_dtypes) else "passed on from its inputs"
+    return f", {r.nonfinite} inf/NaN {how}, none produced"
 
 
 def _kind(dtype: str | None) -> str:
@@ -69,14 +98,18 @@ def _columns(records: Sequence[tuple[int, "OpRecord"]],
             title = (f"#{first} {r0.phase} {r0.label} in {where}: "
                      f"{dtype_label(r0.out_dtype)}, max |x| {magnitude(r0.max_abs)}, "
                      f"smallest nonzero |x| {magnitude(r0.min_nonzero_abs)}"
-                     + (f", {r0.nonfinite} inf/NaN" if r0.nonfinite else ""))
+                     + _nonfinite_words(r0))
         else:
+            made = sum(r.nonfinite for _, r in group if r.produced_nonfinite)
+            carried = sum(r.nonfinite for _, r in group if not r.produced_nonfinite)
             title = (f"ops #{first} to #{last} ({r0.phase}, from {where}): max |x| "
                      f"{magnitude(max(his, default=None))}, smallest nonzero |x| "
-                     f"{magnitude(min(los, default=None))}")
+                     f"{magnitude(min(los, default=None))}"
+                     + (f", produced {made} inf/NaN" if made else "")
+                     + (f", {carried} inf/NaN carried, not produced" if carried else ""))
         bands = {band_for(r) for _, r in group}
         out.append(_Column(min(los, default=None), max(his, default=None),
-                           _kind(r0.out_dtype), any(r.nonfinite for _, r in group),
+                           _kind(r0.out_dtype), _mark([r for _, r in group]),
                            bands.pop() if len(bands) == 1 else band_for(r0), title))
     return out
 
@@ -136,6 +169,12 @@ def _grid(axis: _Axis, right: float) -> list[str]:
     return out
 
 
+def _fit(titles: Sequence[str], width: float) -> str:
+    """The first of ``titles`` that fits ``width`` (a narrow panel's title would run into
+    the next one's), or none."""
+    return next((t for t in titles if len(t) * _CHAR_W <= width), "")
+
+
 def _panel(axis: _Axis, title: str, columns: list[_Column], x0: float,
            width: float) -> list[str]:
     """One phase: its bands (one rect pair per run of columns with one band), its title and
@@ -161,8 +200,12 @@ def _panel(axis: _Axis, title: str, columns: list[_Column], x0: float,
                 y1, y2 = y1 - 1.5, y2 + 1.5
             out.append(f"<line class='{col.kind}' x1='{x}' x2='{x}' y1='{y1}' y2='{y2}'>"
                        f"<title>{escape(col.title)}</title></line>")
-        if col.nonfinite:
-            out.append(f"<path class='nonfinite' d='M{x},{_TOP - 1} l-3.5,-6 h7 z'>"
+        if col.mark is not None:
+            # Inside the plot, below its top edge: above it is the panel's title. Kept
+            # within the panel's width, so a first or last column's mark reaches no label.
+            mx = min(max(x, x0 + _MARK), x0 + width - _MARK)
+            out.append(f"<path class='{col.mark}' d='M{mx:.1f},{_TOP + 2 + _MARK * 2:.1f} "
+                       f"l{-_MARK},{-_MARK * 2} h{_MARK * 2} z'>"
                        f"<title>{escape(col.title)}</title></path>")
     out.append("</g>")
     return out
@@ -246,7 +289,9 @@ def range_chart(records: Sequence["OpRecord"], low: torch.dtype, fp8_modules: se
     body, x = [], float(_LEFT)
     for phase, cols in phases:
         width = room * len(cols) / n
-        body += _panel(axis, f"{phase}: {len(cols)} ops with float outputs", cols, x, width)
+        title = _fit((f"{phase}: {len(cols)} ops with float outputs",
+                      f"{phase}: {len(cols)} ops", phase), width + _GAP)
+        body += _panel(axis, title, cols, x, width)
         x += width + _GAP
     if hist_width:
         body += _histogram(axis, hist, band, right - _HIST)  # type: ignore[arg-type]

@@ -8,7 +8,7 @@ from html import escape
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..code_view import code_lines
-from .bands import dtype_label
+from .bands import breakable, dtype_label
 from .modules import TOP_LEVEL, module_prefixes
 
 if TYPE_CHECKING:
@@ -62,12 +62,14 @@ def _cell(value: Any) -> str:
 
 
 def _folded(title: str, note: str, header: Sequence[str], body: str, kind: str) -> str:
-    """A table inside a closed ``<details>``: its columns sort on a click of their header."""
+    """A table inside a closed ``<details>``: its columns sort on a click of their header.
+    It scrolls inside its own box (wider than a narrow window, it leaves the page's width
+    alone; taller than the window, its header stays in sight)."""
     head = "".join(f"<th>{escape(str(h))}</th>" for h in header)
     return (f"<details class='fold {kind}'><summary><h2>{escape(title)}</h2> "
             f"<span class='note'>{escape(note)}</span> <span class='count'></span></summary>"
-            f"<table class='sortable filterable'><thead><tr>{head}</tr></thead>"
-            f"<tbody>\n{body}\n</tbody></table></details>")
+            f"<div class='scroll tall'><table class='sortable filterable'><thead><tr>{head}"
+            f"</tr></thead><tbody>\n{body}\n</tbody></table></div></details>")
 
 
 _NAMES = frozenset({"node", "module", "casts"})
@@ -83,12 +85,8 @@ def _tr(header: Sequence[str], cells: Sequence[Any], module: str, category: str,
     if classes:
         attrs += f" class='{classes}'"
     return f"<tr{attrs}>" + "".join(
-        f"<td>{_breakable(_cell(c)) if h in _NAMES else escape(_cell(c))}</td>"
+        f"<td>{breakable(_cell(c)) if h in _NAMES else escape(_cell(c))}</td>"
         for h, c in zip(header, cells)) + "</tr>"
-
-
-def _breakable(name: str) -> str:
-    return escape(name).replace(".", ".<wbr>").replace("_", "_<wbr>")
 
 
 def decision_table(title: str, columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
@@ -122,20 +120,21 @@ def _run(rows: Sequence[dict[str, Any]], start: int) -> list[dict[str, Any]]:
 
 def op_table(records: Sequence["OpRecord"], category_of: dict[str, str]) -> str:
     """Every audited op, forward and backward, with the category of the node it belongs to
-    (backward ops: the forward node that created them; ``cast`` for a cast); rows with
-    inf/NaN or past fp16's max are marked."""
+    (backward ops: the forward node that created them; ``cast`` for a cast); rows of ops
+    that produced inf/NaN (as the summary counts them: not a mask's ``-inf`` nor what an op
+    was given) or went past fp16's max are marked."""
     header = ["#", "phase", "op", "node", "module", "category", "dtypes", "shape", "max|x|",
               "min|x|>0", "inf/NaN", ">65504", "<6.1e-5", "masks"]
     body = []
     for i, r in enumerate(records):
         category = "cast" if r.cast else category_of.get(r.node or "", "-")
-        mark = "bad" if r.nonfinite else "warn" if r.fp16_overflow else ""
+        mark = "bad" if r.produced_nonfinite else "warn" if r.fp16_overflow else ""
         dtypes = ",".join(map(dtype_label, r.in_dtypes)) + " → " + dtype_label(r.out_dtype)
         cells = [i, r.phase, r.label, r.node, r.module if r.module is not None else "",
                  category, dtypes, "x".join(map(str, r.shape)), r.max_abs, r.min_nonzero_abs,
                  r.nonfinite, r.fp16_overflow, r.fp16_underflow, r.mask_values]
         body.append(_tr(header, cells, r.module or "", category, mark))
-    bad = sum(1 for r in records if r.nonfinite or r.fp16_overflow)
+    bad = sum(1 for r in records if r.produced_nonfinite or r.fp16_overflow)
     note = f"{len(records)} ops, forward and backward" + (
-        f"; {bad} with inf/NaN or past fp16's max, marked" if bad else "")
+        f"; {bad} that produced inf/NaN or went past fp16's max, marked" if bad else "")
     return _folded("every op (amprewrite.audit)", note, header, "\n".join(body), "ops")

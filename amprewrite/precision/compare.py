@@ -36,6 +36,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
+from ..errors import user_stacklevel
 from ..explain import short_dtype
 from ..graph.meta import CONVERTED_KEY, decision
 from .shadow import (
@@ -184,7 +185,7 @@ def compare(gm: fx.GraphModule, model: nn.Module, example_inputs: Any, *,
     capture = "export" if hasattr(gm, "_in_spec") else "symbolic"
     ref_gm, ref_args, ref_kwargs = reference_module(model, inputs, example_kwargs,
                                                     reference_dtype, capture)
-    _warn_if_random(gm)
+    warn_if_random(gm)
     with _buffers_kept(gm):
         low_run = record(gm, inputs, example_kwargs, grad=backward)
         ref_run = record(ref_gm, ref_args, ref_kwargs, grad=backward)
@@ -288,7 +289,9 @@ def _check_args(gm: Any, model: Any, example_inputs: Any, example_kwargs: Any,
     return example_inputs
 
 
-def _warn_if_random(gm: fx.GraphModule) -> None:
+def warn_if_random(gm: fx.GraphModule, caller: str = "compare") -> None:
+    """Warn, naming them, when ops of ``gm`` draw random numbers (dropout in train mode): a
+    converted and a reference run then differ by the draws, not by precision."""
     random = []
     for node in op_nodes(gm):
         op = decision(node).op
@@ -300,10 +303,10 @@ def _warn_if_random(gm: fx.GraphModule) -> None:
             continue
         random.append(node.name)
     if random:
-        warnings.warn(f"amprewrite.compare: {', '.join(random)} draw random numbers, which "
+        warnings.warn(f"amprewrite.{caller}: {', '.join(random)} draw random numbers, which "
                       "differ between the converted and the reference run: their errors and "
-                      "everything downstream are meaningless. Compare the model in eval() mode.",
-                      stacklevel=3)
+                      "everything downstream are meaningless. Pass the model in eval() mode "
+                      "(model.eval()).", stacklevel=user_stacklevel())
 
 
 class _buffers_kept:

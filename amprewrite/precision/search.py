@@ -38,7 +38,7 @@ from ..errors import AmpRewriteError
 from ..graph.meta import CONVERTED_KEY, decision
 from ..policy.policy import Policy
 from ..policy.tables import OpCategory
-from .compare import node_errors
+from .compare import node_errors, warn_if_random
 from .shadow import op_nodes, record, reference_module, rel_error
 
 __all__ = ["search", "SearchResult", "Trial", "ToleranceNotReached"]
@@ -175,6 +175,7 @@ def _start(model: nn.Module, inputs: tuple, kwargs: dict[str, Any] | None,
     """
 
     gm = convert(model, inputs, example_kwargs=kwargs, policy=trials.start)
+    warn_if_random(gm, "search")
     low = gm.meta[CONVERTED_KEY][1]
     capture = "export" if hasattr(gm, "_in_spec") else "symbolic"
     ref_gm, ref_args, ref_kwargs = reference_module(model, inputs, kwargs, torch.float64,

@@ -18,7 +18,7 @@ from .capture.variants import ON_CHANGE
 from .hardware import model_device, warn_if_slow
 from .passes.calibrate import CalibrationInput, check_calibrate
 from .passes.opt_levels import check_opt_level
-from .policy.policy import Policy, check_low_dtype
+from .policy.policy import Policy, check_low_dtype, default_low_dtype
 
 __all__ = ["ConvertOptions", "CAPTURES", "resolve_dtype"]
 
@@ -32,7 +32,7 @@ def resolve_dtype(model: nn.Module, policy: Policy, dtype: torch.dtype | None) -
     if policy.dtype is not None:
         return policy.dtype
     first = next(iter(model.parameters()), None)
-    return torch.float16 if first is not None and first.is_cuda else torch.bfloat16
+    return default_low_dtype(first.device.type if first is not None else "cpu")
 
 
 @dataclasses.dataclass(frozen=True)

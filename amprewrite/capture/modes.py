@@ -54,6 +54,7 @@ import torch.nn as nn
 
 from ..errors import AmpRewriteError
 from ..runtime.low_copies import LOW_COPIES_ATTR
+from ..runtime.tracing import tracing
 from ..runtime.weight_cache import CACHE_ATTR
 from ..runtime.weight_table import WEIGHTS_ATTR, WeightTable
 from .guards import InputGuards
@@ -298,10 +299,7 @@ def captured_mode(gm: fx.GraphModule, training: bool) -> fx.GraphModule | None:
 
 
 def _refuse_while_tracing(training: bool) -> None:
-    fake, proxy = (torch._C._get_dispatch_mode(key) for key in (
-        torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY))
-    if torch.compiler.is_compiling() or fx._symbolic_trace.is_fx_symbolic_tracing() or \
-            fake is not None or proxy is not None:
+    if tracing():
         name = mode_name(training)
         raise AmpRewriteError(
             f"this converted module was switched to {name} mode inside torch.compile, "

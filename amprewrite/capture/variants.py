@@ -46,6 +46,7 @@ from ..errors import AmpRewriteError, RecaptureWarning, report_recapture
 from ..graph.inputs import (captured_size, changed_dims, input_mismatch, other_arguments,
                             scalar_changes)
 from ..runtime.low_copies import LOW_COPIES_ATTR
+from ..runtime.tracing import tracing
 from ..runtime.model_watch import ModelWatch, changes, report_global_hooks
 from ..runtime.weight_cache import CACHE_ATTR
 from .snapshot import StateSnapshot
@@ -351,7 +352,7 @@ def _no_guard() -> None:
 
 
 def _refuse_while_tracing(gm: fx.GraphModule) -> None:
-    if torch.compiler.is_compiling() or fx._symbolic_trace.is_fx_symbolic_tracing():
+    if tracing():
         raise AmpRewriteError(gm.meta.get("amprewrite_not_captured_yet", "not captured yet"))
 
 

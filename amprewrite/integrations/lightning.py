@@ -39,7 +39,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ..capture.converted import is_converted
 from ..convert import convert
-from ..policy.policy import Policy
+from ..policy.policy import Policy, default_low_dtype
 from ..training.master_weights import MasterWeights
 from ..training.optimizers import held_tensors
 
@@ -53,7 +53,7 @@ def _settings(policy: Policy | None, dtype: torch.dtype | None, device: str | No
                         f"got {type(policy).__name__}")
     policy = policy if policy is not None else Policy()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    low = dtype or policy.dtype or (torch.float16 if device == "cuda" else torch.bfloat16)
+    low = dtype or policy.dtype or default_low_dtype(device)
     if low not in (torch.float16, torch.bfloat16):
         raise ValueError(f"amprewrite's Lightning plugin: dtype={low} is not a low-precision "
                          "dtype; expected torch.float16 or torch.bfloat16")

@@ -56,6 +56,13 @@ def check_low_dtype(dtype: object, where: str) -> torch.dtype:
     return dtype  # type: ignore[return-value]
 
 
+def default_low_dtype(device_type: str) -> torch.dtype:
+    """The low dtype when none is given: fp16 on CUDA, bf16 elsewhere, as ``torch.autocast``
+    defaults (fp16 is what tensor cores were built for; a CPU has no fast fp16 matmul, and
+    bf16 needs no loss scaling). The one place this rule is written."""
+    return torch.float16 if device_type == "cuda" else torch.bfloat16
+
+
 def _as_pairs(name: str, value: Mapping | None) -> tuple[tuple[str, OpCategory], ...]:
     if value is None:
         return ()
@@ -231,7 +238,7 @@ class Policy:
             raise ValueError(f"Policy.autocast(device_type={device_type!r}): expected 'cpu' "
                              "or 'cuda' (the devices whose autocast op lists are mirrored)")
         if dtype is None:
-            dtype = torch.bfloat16 if device_type == "cpu" else torch.float16
+            dtype = default_low_dtype(device_type)
         return cls(preset=device_type, dtype=check_low_dtype(dtype, "Policy.autocast"),
                    device_type=device_type, share_activation_casts=False)
 

@@ -4,8 +4,6 @@ composite ops otherwise. A converted graph calls :func:`multi_head_attention` by
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn as nn
 

@@ -49,10 +49,10 @@ import weakref
 from typing import Any, NamedTuple
 
 import torch
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from ..errors import AmpRewriteError
 from .optimizer_steps import count_steps, steps_taken
+from .tracing import tracing
 from .weight_cache import cast_batch, rewrite_copies
 
 __all__ = ["LowPrecisionCopies", "LOW_COPIES_ATTR"]
@@ -79,18 +79,6 @@ class _Entry:
         autograd role (a remade parameter, ``p.data = t`` or ``requires_grad_`` need a new one)."""
         return (self.data_ptr == master.data_ptr() and self.shape == master.shape
                 and self.requires_grad == master.requires_grad)
-
-
-def _tracing(master: torch.Tensor) -> bool:
-    # Fake-tensor propagation at conversion time and tracers must see a plain cast, and must
-    # not leave fake copies in the store.
-    if isinstance(master, torch._subclasses.FakeTensor) or torch._is_functional_tensor(master):
-        return True
-    # NB: a fake mode is looked up in its dispatch-mode slot (0.1 µs), not with
-    # torch._guards.detect_fake_mode (5 µs, once per O2 forward): a tracing context's fake
-    # mode matters only while a compiler traces, which get_many checks first.
-    return get_proxy_mode() is not None or \
-        torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
 _UNBOUND = (
@@ -173,7 +161,7 @@ class LowPrecisionCopies:
 
     def get(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The copy of ``master`` in ``dtype``; tracked back to ``master`` in grad mode."""
-        if master.dtype == dtype or _tracing(master):
+        if master.dtype == dtype or tracing(master):
             return master.to(dtype)
         if master.requires_grad and torch.is_grad_enabled() and self.bindings == 0:
             raise AmpRewriteError(_UNBOUND)
@@ -187,7 +175,7 @@ class LowPrecisionCopies:
             return [m.to(dtype) for m in masters]
         # NB: tracing is a property of the call, not of a master: checked once (it looks at
         # the dispatch mode stack, which costs microseconds).
-        if masters and _tracing(masters[0]):
+        if masters and tracing(masters[0]):
             return [self.get(m, dtype) for m in masters]
         if self.bindings == 0 and torch.is_grad_enabled() and \
                 any(m.requires_grad and m.dtype != dtype for m in masters):

@@ -45,10 +45,10 @@ import weakref
 from typing import Any, NamedTuple
 
 import torch
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from .functions import cast_to
 from .optimizer_steps import steps_taken
+from .tracing import tracing
 
 __all__ = ["WeightCastCache", "CACHE_ATTR", "rewrite_copies"]
 
@@ -66,18 +66,6 @@ class _Entry(NamedTuple):
     """The weight's storage when the copy was made, held so that its address cannot go to
     the storage that replaces it (``p.data = t``, ``model.half().float()``): a new storage at
     the old address, with a version counter that happens to match, would look unchanged."""
-
-
-def _tracing(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` is seen by a tracer or compiler rather than run eagerly.
-
-    A cached copy made while tracing would be a fake or proxy tensor stored past the trace,
-    and a compiler should see the plain cast (it can hoist or fold it itself). NB: a copy
-    cached by an earlier eager forward is served to a tracer as a constant.
-    """
-    if isinstance(weight, torch._subclasses.FakeTensor) or torch._is_functional_tensor(weight):
-        return True
-    return get_proxy_mode() is not None
 
 
 class _Handed(NamedTuple):
@@ -146,7 +134,7 @@ class WeightCastCache:
         it, the cast's backward runs right after its consumer's."""
         # Runs once per forward for all weights: checks that hold for every weight (tracing,
         # compiling, grad mode) are made once, and cache hits are inlined.
-        if not weights or torch.compiler.is_compiling() or _tracing(weights[0]):
+        if not weights or tracing(weights[0]):
             return weights  # a compiler or tracer sees plain casts, where the weights are used
         grad = torch.is_grad_enabled()
         kept = self.kept
@@ -203,7 +191,7 @@ class WeightCastCache:
 
     def _refresh(self, weight: torch.Tensor, dtype: torch.dtype,
                  key: tuple[int, torch.dtype]) -> torch.Tensor:
-        if _tracing(weight) or weight.is_inference():
+        if tracing(weight) or weight.is_inference():
             # NB: inference tensors have no version counter, so a cached copy could not
             # notice in-place updates; they are cast every time instead.
             return weight.to(dtype)

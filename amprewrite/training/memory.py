@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_leaves
 from ..capture.calling import generated_code
 from ..convert import convert
 from ..passes.opt_levels import opt_level_of
+from ..policy.policy import default_low_dtype
 from ..runtime.low_copies import LOW_COPIES_ATTR, LowPrecisionCopies
 from ..runtime.weight_cache import CACHE_ATTR
 from .master_weights import MasterWeights
@@ -304,7 +305,7 @@ def compare_memory(model: nn.Module, example_inputs: Any,
 
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     device = next((p.device.type for p in model.parameters()), "cpu")
-    low = dtype or (torch.float16 if device == "cuda" else torch.bfloat16)
+    low = dtype or default_low_dtype(device)
     result = MemoryComparison()
     for level in opt_levels:
         if level not in ("fp32", "autocast", "O0", "O1", "O2", "O3"):

@@ -9,6 +9,12 @@ neither ``symbolic_trace`` nor ``torch.export`` can capture still convert and tr
     compiled = amprewrite.compile(model)                       # one line
     compiled = torch.compile(model, backend=amprewrite.backend(dtype=torch.bfloat16))
 
+What that Python sees (:mod:`amprewrite.capture.graph_breaks`): under a
+``Policy.autocast(device, dtype)`` preset, ``amprewrite.compile`` calls the model inside that
+``torch.autocast``, so the code between graphs runs as in eager autocast and each graph runs
+with autocast off (its casts are explicit): bitwise autocast's, across graph breaks. Under
+other policies, each graph casts its floating outputs back to the dtypes Dynamo traced.
+
 What changes against ``convert``:
 
 * Parameters arrive as graph inputs (placeholders), not ``get_attr`` nodes, so their casts are
@@ -20,11 +26,15 @@ What changes against ``convert``:
 * ``torch.utils.checkpoint`` calls appear as ``tag_activation_checkpoint`` ops with a body
   graph; the body is converted with the graph around it and stays a checkpoint region, so
   backward recomputes it, casts included (:mod:`amprewrite.capture.checkpoints`).
+* Parameters are cast once per graph (torch.autocast's cache), and library ops with their own
+  autocast kernel run under it (:mod:`amprewrite.capture.own_autocast`).
 * Node names are those of each Dynamo graph: read them from ``explain(b.graphs[i])``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import difflib
 import fnmatch
 import warnings
@@ -35,12 +45,16 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .capture.checkpoints import inline_checkpoints, outline_checkpoints
-from .capture.facts import REGION_KEY, TRACED_IN_FP32, Region
+from .capture.graph_breaks import (ambient_autocast, regime_available, regime_of,
+                                   restore_traced_dtypes, traced_output_dtypes, under_regime,
+                                   without_autocast)
+from .capture.own_autocast import describe_own_autocast_kernels, wrap_own_autocast_kernels
+from .capture.facts import GRAD_KEY, REGION_KEY, TRACED_IN_FP32, Region
 from .convert import resolve_dtype
-from .graph.meta import META_KEY
+from .graph.meta import META_KEY, cast_info, decision
 from .hardware import model_device, warn_if_slow
 from .passes.pipeline import run_passes
-from .policy.policy import Policy, check_low_dtype
+from .policy.policy import Policy, check_low_dtype, default_low_dtype
 from .runtime.weight_cache import CACHE_ATTR
 
 __all__ = ["backend", "compile", "AmpBackend"]
@@ -71,30 +85,59 @@ class AmpBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         low = self._low_dtype(example_inputs)
-        ambient = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
-        if ambient:
+        regime = regime_of(self.policy.preset, low)
+        ambient = ambient_autocast()
+        in_regime = regime is not None and ambient == {regime[0]: regime[1]}
+        if ambient and not in_regime:
+            device = next(iter(ambient))
             warnings.warn(
-                f"amprewrite.backend: torch.autocast({ambient[0]!r}) is active around the "
-                "compiled model, so autocast casts on top of amprewrite's explicit casts. "
-                "Call the compiled model outside torch.autocast.", stacklevel=2)
+                f"amprewrite.backend: torch.autocast({device!r}) is active around the "
+                f"compiled model, so autocast casts on top of amprewrite's explicit casts "
+                f"({self.policy.summary()}). Call the compiled model outside torch.autocast, "
+                "or use the Policy.autocast preset of that autocast.", stacklevel=2)
         checkpoints = inline_checkpoints(gm)
-        _adopt_example_values(gm)
-        _tag_autocast_regions(gm)
-        gm.meta.pop(META_KEY, None)
-        gm.meta[TRACED_IN_FP32] = True  # Dynamo ran the model's Python in fp32
-        # NB: the backend runs inside a tracing context whose fake mode is not the one of the
-        # graph's example values; the passes must re-run nodes in the values' own mode.
-        with torch._guards.tracing(None):
-            run_passes(gm, self.policy, low)
-        _plain_weight_casts(gm)
-        _publish_example_values(gm)
+        self._rewrite(gm, low, ambient, regime[0] if in_regime else None)
         outline_checkpoints(gm, checkpoints)
         self.graphs.append(gm)
         if self.eager:
-            return gm.forward
-        from torch._inductor.compile_fx import compile_fx
+            compiled: Callable = gm.forward
+        else:
+            from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, list(example_inputs))
+            with contextlib.ExitStack() as stack:
+                for device in ambient if in_regime else ():
+                    stack.enter_context(torch.autocast(device, enabled=False))
+                compiled = compile_fx(gm, list(example_inputs))
+        return without_autocast(compiled, regime[0]) if in_regime else compiled
+
+    def _rewrite(self, gm: fx.GraphModule, low: torch.dtype, ambient: dict[str, torch.dtype],
+                 regime_device: str | None) -> None:
+        """Run the passes on Dynamo's graph ``gm``, traced under the ``ambient`` autocast;
+        ``regime_device``: the device of the preset's autocast when that is the ambient one
+        (:mod:`amprewrite.capture.graph_breaks`)."""
+        _adopt_example_values(gm)
+        traced = traced_output_dtypes(gm)
+        _tag_autocast_regions(gm)
+        gm.meta.pop(META_KEY, None)
+        # In the regime, Dynamo ran the model's Python under the preset's autocast (the
+        # dtypes it read off tensors are autocast's); otherwise in fp32.
+        gm.meta[TRACED_IN_FP32] = regime_device is None
+        with contextlib.ExitStack() as stack:
+            # NB: the backend runs inside a tracing context whose fake mode is not the one
+            # of the graph's example values; the passes must re-run nodes in the values'
+            # own mode, and with autocast off: they compute the dtypes of explicit casts.
+            stack.enter_context(torch._guards.tracing(None))
+            for device in ambient:
+                stack.enter_context(torch.autocast(device, enabled=False))
+            if regime_device is not None or not ambient:
+                wrap_own_autocast_kernels(gm, low, regime_device or self.policy.device_type)
+            run_passes(gm, self.policy, low)
+            describe_own_autocast_kernels(gm)
+            _plain_weight_casts(gm)
+            _share_leaf_casts(gm)
+            if not ambient:
+                restore_traced_dtypes(gm, traced)
+        _publish_example_values(gm)
 
     def _low_dtype(self, example_inputs: Sequence[Any]) -> torch.dtype:
         if self.dtype is not None:
@@ -102,7 +145,7 @@ class AmpBackend:
         if self.policy.dtype is not None:
             return self.policy.dtype
         on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
-        return torch.float16 if on_cuda else torch.bfloat16
+        return default_low_dtype("cuda" if on_cuda else "cpu")
 
 
 def backend(policy: Policy | None = None, dtype: torch.dtype | None = None, *,
@@ -142,7 +185,9 @@ def compile(model: nn.Module, *, policy: Policy | None = None, dtype: torch.dtyp
     Module overrides of ``policy`` are checked against ``model.named_modules()`` here, so a
     misspelt name fails now rather than matching nothing. ``dynamic`` and ``fullgraph`` are
     passed to ``torch.compile``. The backend is ``compiled.amprewrite_backend``; its
-    ``graphs`` fill in as the model runs.
+    ``graphs`` fill in as the model runs. With a ``Policy.autocast(device, dtype)`` preset the
+    compiled model is called inside that ``torch.autocast``, so the Python between its graphs
+    runs as under eager autocast (:mod:`amprewrite.capture.graph_breaks`).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"amprewrite.compile expects a torch.nn.Module, got "
@@ -155,6 +200,11 @@ def compile(model: nn.Module, *, policy: Policy | None = None, dtype: torch.dtyp
     warn_if_slow(model_device(model, None, None), amp.dtype)
     _check_module_overrides(model, policy)
     compiled = torch.compile(model, backend=amp, dynamic=dynamic, fullgraph=fullgraph)
+    regime = regime_of(policy.preset, amp.dtype)
+    if regime is not None and regime_available(regime):
+        # The preset mirrors torch.autocast: the model's Python between graphs runs under it,
+        # as in eager autocast (amprewrite.capture.graph_breaks).
+        compiled.forward = under_regime(compiled.forward, regime)
     # NB: object.__setattr__, not setattr: the compiled wrapper forwards nn.Module attributes.
     object.__setattr__(compiled, "amprewrite_backend", amp)
     return compiled
@@ -215,6 +265,52 @@ def _tag_autocast_regions(gm: fx.GraphModule) -> None:
                                  f"is used by {user.format_node()}; expected only "
                                  "_exit_autocast to use it.")
         gm.graph.erase_node(node)
+
+
+def _share_leaf_casts(gm: fx.GraphModule) -> None:
+    """One cast per graph input and dtype where the input is a leaf fp32 tensor that
+    requires grad (a parameter, as Dynamo passes them): torch.autocast caches exactly those
+    casts, so a weight used several times (a detection head applied to every feature level)
+    gets one low-precision copy whose gradients add up in the low dtype before the one cast
+    back, and per-use casts would round differently. Parameters that ``convert`` reads as
+    ``get_attr`` get this from InsertCastsPass; here they arrive as placeholders.
+
+    Before::
+
+        w_bf16 = w.to(torch.bfloat16);  conv_a = torch.conv2d(a, w_bf16)
+        w_bf16_1 = w.to(torch.bfloat16);  conv_b = torch.conv2d(b, w_bf16_1)
+
+    After::
+
+        w_bf16 = w.to(torch.bfloat16);  conv_a = torch.conv2d(a, w_bf16)
+        conv_b = torch.conv2d(b, w_bf16)
+    """
+    first: dict[tuple[fx.Node, torch.dtype, Any], fx.Node] = {}
+    merged = False
+    for node in list(gm.graph.nodes):
+        info = cast_info(node)
+        if info is None or info.guarded or node.op != "call_method" or node.target != "to":
+            continue
+        source = node.args[0]
+        val = source.meta.get("val") if isinstance(source, fx.Node) else None
+        if source.op != "placeholder" or not isinstance(val, torch.Tensor) or \
+                val.dtype != torch.float32 or not val.requires_grad or not val.is_leaf:
+            continue
+        key = (source, info.dtype, node.meta.get(GRAD_KEY))
+        if key not in first:
+            first[key] = node
+            continue
+        for user in node.users:
+            rec = decision(user)
+            if rec is not None and node.name in rec.casts:
+                user.meta[META_KEY] = dataclasses.replace(rec, casts=tuple(
+                    first[key].name if c == node.name else c for c in rec.casts))
+        node.replace_all_uses_with(first[key])
+        gm.graph.erase_node(node)
+        merged = True
+    if merged:
+        gm.graph.lint()
+        gm.recompile()
 
 
 def _plain_weight_casts(gm: fx.GraphModule) -> None:

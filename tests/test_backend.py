@@ -3,6 +3,8 @@ training, overrides, dynamic shapes, and one Inductor run."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -69,19 +71,212 @@ def test_graph_breaks_convert_each_graph() -> None:
         assert "_amp_weight_cache" not in gm.code
 
 
+PRESET = Policy.autocast("cpu", torch.bfloat16)
+
+
+def _assert_grads_equal(model: nn.Module, reference: nn.Module) -> None:
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad.dtype == torch.float32, name
+        assert torch.equal(p.grad, q.grad), name
+
+
 def test_matches_autocast_bitwise_with_preset_outputs_and_grads() -> None:
     model, reference = Branchy(), Branchy()
-    amp = amprewrite.backend(Policy.autocast("cpu"), eager=True)
-    out = torch.compile(model, backend=amp)(X)
+    out = amprewrite.compile(model, policy=PRESET, eager=True)(X)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = reference(X)
     assert out.dtype == expected.dtype == torch.bfloat16
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert torch.equal(out, expected)
     out.float().sum().backward()
     expected.float().sum().backward()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert p.grad.dtype == torch.float32, name
-        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    _assert_grads_equal(model, reference)
+
+
+def test_the_preset_backend_inside_its_own_autocast() -> None:
+    """``torch.compile(backend=...)`` called under the autocast the preset mirrors: that
+    autocast is the regime (no warning), the result autocast's."""
+    model, reference = Branchy(), Branchy()
+    compiled = torch.compile(model, backend=amprewrite.backend(PRESET, eager=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = compiled(X)
+            expected = reference(X)
+    assert not [w for w in caught if "amprewrite" in str(w.message)]
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+
+
+SEEN: list[tuple[torch.dtype, bool]] = []
+
+
+@torch._dynamo.disable
+def _between_graphs(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Model code Dynamo does not trace: it runs between two rewritten graphs."""
+    SEEN.append((h.dtype, torch.is_autocast_enabled("cpu")))
+    return torch.nn.functional.conv2d(h, weight, padding=1)
+
+
+class ConvBreakConv(nn.Module):
+    """A convolution in each graph and one in the Python between them, on the first graph's
+    output and an fp32 weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Conv2d(3, 8, 3, padding=1)
+        self.mid = nn.Parameter(torch.randn(8, 8, 3, 3) * 0.1)
+        self.b = nn.Conv2d(8, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_between_graphs(self.a(x).relu(), self.mid)).mean((2, 3))
+
+
+IMAGES = torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(0))
+
+
+def test_python_between_graphs_runs_as_under_autocast_with_the_preset() -> None:
+    """The code between graphs gets what eager autocast gives it (bf16), runs under
+    autocast (its convolution casts the fp32 weight), and hands the next graph autocast's
+    values: outputs and gradients bitwise."""
+    model, reference = ConvBreakConv(), ConvBreakConv()
+    SEEN.clear()
+    out = amprewrite.compile(model, policy=PRESET, eager=True)(IMAGES)
+    assert SEEN == [(torch.bfloat16, True)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference(IMAGES)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    assert torch.equal(out, expected)
+    out.float().sum().backward()
+    expected.float().sum().backward()
+    _assert_grads_equal(model, reference)
+
+
+def test_python_between_graphs_gets_the_traced_dtypes_with_other_policies() -> None:
+    """Under the default policy the code between graphs runs without autocast, on the
+    dtypes Dynamo traced it with: each graph casts its low-precision outputs back."""
+    model = ConvBreakConv()
+    SEEN.clear()
+    compiled = amprewrite.compile(model, eager=True)
+    out = compiled(IMAGES)
+    assert SEEN == [(torch.float32, False)]
+    first, last = compiled.amprewrite_backend.graphs
+    assert [decision(n).category for n in first.graph.nodes
+            if decision(n) is not None and decision(n).op == "conv2d"] == [OpCategory.LOWER]
+    assert "relu_traced = relu.to(torch.float32)" in first.code
+    assert out.dtype == torch.float32       # mean of a bf16 convolution, traced in fp32
+    fp32 = ConvBreakConv()(IMAGES)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = ConvBreakConv()(IMAGES).float()
+    assert 0 < (out - fp32).abs().max() <= 2 * (autocast - fp32).abs().max()
+    out.sum().backward()
+    assert model.a.weight.grad is not None and model.a.weight.grad.dtype == torch.float32
+
+
+class OwnRegionAcrossABreak(nn.Module):
+    """A graph break inside the model's own ``autocast(enabled=False)`` block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with torch.autocast("cpu", enabled=False):
+            h = self.b(h.float()).relu()
+            torch._dynamo.graph_break()
+            h = self.b(h)
+        return self.c(h)
+
+
+def test_the_models_own_region_across_a_break_under_the_preset() -> None:
+    model, reference = OwnRegionAcrossABreak(), OwnRegionAcrossABreak()
+    out = amprewrite.compile(model, policy=PRESET, eager=True)(X)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference(X)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    out.float().sum().backward()
+    expected.float().sum().backward()
+    _assert_grads_equal(model, reference)
+
+
+class SharedHead(nn.Module):
+    """One head applied to several feature levels, as detection heads are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        levels = [h, h[:2] * 2, h[1:].relu()]
+        return torch.cat([self.head(level) for level in levels])
+
+
+def test_a_weight_used_several_times_gets_one_cast_under_the_preset() -> None:
+    """autocast caches the cast of a parameter: the head's three uses share one bf16 copy,
+    whose gradients add up in bf16 before the one cast back. So do the graph's."""
+    model, reference = SharedHead(), SharedHead()
+    compiled = amprewrite.compile(model, policy=PRESET, eager=True)
+    out = compiled(X)
+    (gm,) = compiled.amprewrite_backend.graphs
+    weight = [n for n in gm.graph.nodes if n.op == "placeholder" and "head" in n.name
+              and "weight" in n.name]
+    assert len(weight) == 1 and len(weight[0].users) == 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference(X)
+    assert torch.equal(out, expected)
+    out.float().square().sum().backward()
+    expected.float().square().sum().backward()
+    _assert_grads_equal(model, reference)
+
+
+@torch.library.custom_op("amprewrite_backend_test::fp32_only", mutates_args=())
+def fp32_only(x: torch.Tensor) -> torch.Tensor:
+    """A library kernel without a low-precision path, as torchvision's roi_align on a CPU."""
+    if x.dtype != torch.float32:
+        raise RuntimeError(f"fp32_only not implemented for {x.dtype}")
+    return x.sin()
+
+
+@fp32_only.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+torch.library.register_autocast("amprewrite_backend_test::fp32_only", "cpu", torch.float32)
+
+
+class WithLibraryOp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(fp32_only(self.a(x)))
+
+
+@pytest.mark.parametrize("policy", [PRESET, Policy()], ids=["preset", "default"])
+def test_a_library_op_runs_under_its_own_autocast_kernel(policy: Policy) -> None:
+    """The op's AutocastCPU kernel (registered by its library) casts its input to fp32;
+    the rewritten graph calls the op inside autocast, so that kernel runs as in eager."""
+    model = WithLibraryOp()
+    compiled = amprewrite.compile(model, policy=policy, eager=True)
+    out = compiled(X)
+    (gm,) = compiled.amprewrite_backend.graphs
+    assert "fp32_only_under_autocast(linear)" in gm.code
+    (rec,) = [decision(n) for n in gm.graph.nodes
+              if decision(n) is not None and "fp32_only" in decision(n).op]
+    assert "its own AutocastCPU kernel" in rec.rule
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = WithLibraryOp()(X)
+    if policy is PRESET:
+        assert torch.equal(out, expected)
+    else:
+        torch.testing.assert_close(out, expected.float(), rtol=0, atol=0)
 
 
 def test_trains_through_graph_breaks() -> None:
@@ -214,7 +409,7 @@ def test_ops_without_tensor_inputs_stay_fake_in_the_rewrite() -> None:
 
     torch.manual_seed(0)
     model, x = Permute(), torch.randn(6, 4)
-    compiled = amprewrite.compile(model, eager=True, fullgraph=True)
+    compiled = amprewrite.compile(model, policy=PRESET, eager=True, fullgraph=True)
     out = compiled(x)
     with torch.autocast("cpu", torch.bfloat16):
         expected = model(x)

@@ -214,7 +214,12 @@ def _compile_ddp(rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {"steps": []}
     for step in range(STEPS):
         x, y = batch(step)
-        F.cross_entropy(compiled(shard(x, rank)), shard(y, rank)).backward()
+        logits = compiled(shard(x, rank))
+        out.setdefault("logits_dtype", logits.dtype)
+        # Outside an autocast preset, the compile route hands its graphs' outputs back in the
+        # dtypes Dynamo traced (fp32), their values the bf16 ones; back in bf16 (no rounding)
+        # the loss is convert's, which returns the bf16 logits
+        F.cross_entropy(logits.to(torch.bfloat16), shard(y, rank)).backward()
         opt.step()
         opt.zero_grad()
         out["steps"].append(snapshot(model.parameters()))
@@ -415,7 +420,7 @@ def test_compile_backend_around_ddp(ranks):
     # amprewrite.compile(DDP(model)) rewrites Dynamo's graph of the wrapped model: the same
     # bits as DDP(convert(model)) at O1
     runs = _result(ranks, "compile_ddp")
-    assert runs[0]["graphs"] >= 1
+    assert runs[0]["graphs"] >= 1 and runs[0]["logits_dtype"] == torch.float32
     _same_on_all_ranks(runs)
     _bitwise(runs[0]["steps"], _result(ranks, "ddp_O1")[0]["steps"])
 

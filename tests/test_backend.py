@@ -414,3 +414,63 @@ def test_ops_without_tensor_inputs_stay_fake_in_the_rewrite() -> None:
     with torch.autocast("cpu", torch.bfloat16):
         expected = model(x)
     assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+
+
+class AttentionPool(nn.Module):
+    """A learned query attending over a sequence: ``F.multi_head_attention_forward``, which
+    Dynamo records as one call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.query = nn.Parameter(torch.randn(1, 1, 16))
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.query.expand(x.shape[0], -1, -1)
+        return self.head(self.attn(q, x, x, need_weights=False)[0].squeeze(1))
+
+
+def test_attention_kept_whole_by_dynamo_runs_as_under_autocast() -> None:
+    """Its projections and matmuls run in bf16 inside the call, as eager autocast runs them:
+    outputs and every gradient bitwise under the preset (not in fp32 as a passthrough)."""
+    model, reference = AttentionPool(), AttentionPool()
+    x = torch.randn(2, 5, 16)
+    compiled = amprewrite.compile(model, policy=PRESET, eager=True)
+    out = compiled(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference(x)
+    assert torch.equal(out, expected)
+    out.float().sum().backward()
+    expected.float().sum().backward()
+    _assert_grads_equal(model, reference)
+    rules = [decision(n).rule for gm in compiled.amprewrite_backend.graphs
+             for n in gm.graph.nodes if decision(n) is not None
+             and decision(n).op == "multi_head_attention_forward"]
+    assert rules == ["kept whole by Dynamo, its ops under autocast('cpu', torch.bfloat16)"]
+    # the default policy: the same call under autocast, the output handed back in fp32
+    torch._dynamo.reset()
+    out = amprewrite.compile(AttentionPool(), eager=True)(x)
+    assert out.dtype == torch.float32
+    assert (out - reference(x)).abs().max() < 0.05
+
+
+def test_grouped_query_decoder_trains_bitwise_with_the_preset() -> None:
+    """A tiny HF Llama with two query heads per key/value head: the loss and every gradient
+    as eager autocast gives them."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=128)
+    torch.manual_seed(0)
+    model, reference = transformers.LlamaForCausalLM(config), transformers.LlamaForCausalLM(config)
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 128, (2, 8))
+    loss = amprewrite.compile(model, policy=PRESET, eager=True)(input_ids=ids, labels=ids).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference(input_ids=ids, labels=ids).loss
+    assert torch.equal(loss, expected)
+    loss.backward()
+    expected.backward()
+    _assert_grads_equal(model, reference)

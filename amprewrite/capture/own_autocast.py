@@ -14,6 +14,10 @@ After::
 
     roi_align = roi_align_under_autocast(features_bf16, rois, 0.03125, 7, 7, 2, False)
 
+``F.multi_head_attention_forward``, which Dynamo records as one call, runs the same way: its
+projections and batched matmuls are lowered by autocast inside it, where no cast around the
+call reaches (:data:`_KEPT_WHOLE`).
+
 The wrapper keeps the op's name for the policy (``callable_key`` reads ``_opoverload``), and
 the passes compute its output dtype by running it, autocast kernel included, on fake
 tensors: the op's own kernel decides its dtypes, bit for bit as under eager autocast.
@@ -53,11 +57,19 @@ def _op_name(node: fx.Node) -> str | None:
     return _op_name_of(node.target)
 
 
+_KEPT_WHOLE = (torch.nn.functional.multi_head_attention_forward,)
+"""Python composites that Dynamo records as one call instead of inlining them: eager autocast
+lowers the ops inside them (the projections, the batched matmuls), which no cast around the
+call can reproduce, so they too run under autocast, their ops as autocast runs them."""
+
+
 def own_autocast_kernel(node: fx.Node) -> tuple[str, str] | None:
     """``(device type, dispatch key)`` when ``node`` calls another library's op that has an
-    autocast kernel on the one device of its floating inputs; else None."""
+    autocast kernel, or a composite of :data:`_KEPT_WHOLE`, on the one device of its floating
+    inputs; else None."""
+    kept_whole = node.op == "call_function" and node.target in _KEPT_WHOLE
     name = _op_name(node)
-    if name is None or name.split("::")[0] in _OURS:
+    if not kept_whole and (name is None or name.split("::")[0] in _OURS):
         return None
     devices = {v.device.type for v in (a.meta.get("val") for a in node.all_input_nodes)
                if isinstance(v, torch.Tensor) and v.is_floating_point()}
@@ -65,7 +77,8 @@ def own_autocast_kernel(node: fx.Node) -> tuple[str, str] | None:
         return None
     device = devices.pop()
     key = _KEYS.get(device)
-    if key is None or not torch._C._dispatch_has_kernel_for_dispatch_key(name, key):
+    if key is None or not (kept_whole or
+                           torch._C._dispatch_has_kernel_for_dispatch_key(name, key)):
         return None
     return device, key
 
@@ -117,6 +130,7 @@ def describe_own_autocast_kernels(gm: fx.GraphModule) -> None:
         target = node.target
         rec = decision(node)
         if isinstance(target, UnderOwnAutocast) and rec is not None:
+            what = "kept whole by Dynamo, its ops" if target._opoverload in _KEPT_WHOLE \
+                else f"its own {target.key} kernel"
             node.meta[META_KEY] = dataclasses.replace(
-                rec, rule=f"its own {target.key} kernel, under autocast("
-                          f"{target.device_type!r}, {target.dtype})")
+                rec, rule=f"{what} under autocast({target.device_type!r}, {target.dtype})")

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from ..graph.meta import CONVERTED_KEY, cast_info, decision
-from ..graph.queries import cast_source
+from ..graph.queries import attr_at, cast_source
 from ..policy.opkey import op_key
 from ..runtime.weight_table import entry_nodes
 
@@ -220,9 +220,7 @@ def _weight_shape(gm: fx.GraphModule, a: Any) -> tuple[int, ...] | None:
     src = cast_source(a)
     node = src[0] if src is not None else a
     if isinstance(node, fx.Node) and node.op == "get_attr":
-        obj: Any = gm
-        for part in str(node.target).split("."):
-            obj = getattr(obj, part, None)
+        obj = attr_at(gm, str(node.target), None)
         return tuple(obj.shape) if isinstance(obj, torch.Tensor) else None
     return _shape(node)
 

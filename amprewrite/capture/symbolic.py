@@ -27,6 +27,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..errors import AmpRewriteError
 from ..graph.fake import fake_state
+from ..graph.queries import attr_at
 from ..policy.opkey import module_op_names
 from ..policy.registry import registered_functions
 from ..runtime.attention import multi_head_attention
@@ -209,7 +210,4 @@ def propagate_meta(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any] | Non
 
 
 def _attr(module: nn.Module, target: str) -> Any:
-    obj: Any = module
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return attr_at(module, target)

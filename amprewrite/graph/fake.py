@@ -11,6 +11,8 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import map_aggregate
 
+from .queries import attr_at
+
 __all__ = ["fake_run", "fake_state", "graph_fake_mode", "same_val", "concrete_meta"]
 
 
@@ -35,10 +37,7 @@ def fake_run(gm: fx.GraphModule, node: fx.Node) -> Any:
     ``torch.cond``, which the higher-order op calls on the fake tensors."""
     def value(a: Any) -> Any:
         if isinstance(a, fx.Node) and a.op == "get_attr" and a.meta.get("val") is None:
-            obj: Any = gm
-            for part in str(a.target).split("."):
-                obj = getattr(obj, part)
-            return obj
+            return attr_at(gm, str(a.target))
         return a.meta.get("val") if isinstance(a, fx.Node) else a
 
     args, kwargs = map_aggregate(node.args, value), map_aggregate(node.kwargs, value)

@@ -18,9 +18,22 @@ import torch.fx as fx
 from ..policy.opkey import is_inplace
 from ..runtime.functions import CAST_METHODS, guarded_cast
 
-__all__ = ["cast_source", "input_dtypes", "mutated", "module_paths", "slice_args"]
+__all__ = ["attr_at", "cast_source", "input_dtypes", "mutated", "module_paths", "slice_args"]
 
 _METHOD_CASTS = {name: dtype for dtype, name in CAST_METHODS.items()}
+
+
+_RAISE: Any = object()
+
+
+def attr_at(root: Any, qualname: str, default: Any = _RAISE) -> Any:
+    """What the dotted ``qualname`` names under ``root`` (a ``get_attr`` node's target under
+    its GraphModule), walked with ``getattr`` as ``torch.fx`` resolves it; ``default`` where a
+    part is missing if one is given, else the ``AttributeError``."""
+    obj = root
+    for part in qualname.split("."):
+        obj = getattr(obj, part) if default is _RAISE else getattr(obj, part, default)
+    return obj
 
 
 def cast_source(node: fx.Node) -> tuple[fx.Node, torch.dtype] | None:

@@ -23,7 +23,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from ..capture.facts import REGION_KEY, Region
 from ..errors import AmpRewriteError
 from ..graph.meta import META_KEY, Decision
-from ..graph.queries import module_paths
+from ..graph.queries import attr_at, module_paths
 from ..policy.kernels import has_low_kernel
 from ..policy.opkey import is_inplace, op_key, overload_key
 from ..policy.policy import Policy
@@ -57,10 +57,7 @@ def _weights_device_type(node: fx.Node) -> str | None:
 
 
 def _attr(gm: fx.GraphModule, qualname: str) -> object:
-    value: object = gm
-    for part in qualname.split("."):
-        value = getattr(value, part, None)
-    return value
+    return attr_at(gm, qualname, None)
 
 
 class ClassifyPass(PassBase):

@@ -47,7 +47,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from ..capture.facts import GRAD_KEY
 from ..graph.meta import META_KEY
-from ..graph.queries import cast_source, mutated
+from ..graph.queries import attr_at, cast_source, mutated
 from ..policy.policy import Policy
 from ..runtime.functions import guarded_cast
 
@@ -72,9 +72,7 @@ def _dtype(node: Any) -> torch.dtype | None:
     if isinstance(val, torch.Tensor):
         return val.dtype
     if node.op == "get_attr":
-        obj = node.graph.owning_module
-        for part in str(node.target).split("."):
-            obj = getattr(obj, part, None)
+        obj = attr_at(node.graph.owning_module, str(node.target), None)
         return obj.dtype if isinstance(obj, torch.Tensor) else None
     return None
 

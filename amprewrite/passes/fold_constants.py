@@ -62,6 +62,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from ..capture.facts import LIFTED_CONSTANTS
 from ..graph.composites import has_composite_kernel
+from ..graph.queries import attr_at
 
 __all__ = ["FoldConstantsPass", "MAX_FOLDED_BYTES"]
 
@@ -179,10 +180,7 @@ def _constant_attr(gm: fx.GraphModule, node: fx.Node, weights: set[str]) -> bool
 
 
 def _attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
+    return attr_at(gm, target, None)
 
 
 def _real(value: torch.Tensor) -> bool:

@@ -55,7 +55,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from ..capture.facts import GRAD_KEY
 from ..graph.fake import fake_run
 from ..graph.meta import META_KEY, Fp8Step, cast_info, decision
-from ..graph.queries import cast_source, module_paths
+from ..graph.queries import attr_at, cast_source, module_paths
 from ..policy.fp8 import Fp8Rules, fp8_verdict
 from ..policy.policy import Policy
 from ..policy.tables import OpCategory
@@ -99,10 +99,7 @@ class Fp8LinearPass(PassBase):
 
     # -- what a linear reads ---------------------------------------------------------------
     def _attr(self, node: fx.Node) -> Any:
-        obj: Any = self.gm
-        for part in str(node.target).split("."):
-            obj = getattr(obj, part)
-        return obj
+        return attr_at(self.gm, str(node.target))
 
     def _weight(self, node: fx.Node) -> fx.Node | None:
         """The ``get_attr`` of the linear's fp32 master weight (behind its bf16 cast)."""

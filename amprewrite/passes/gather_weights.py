@@ -51,7 +51,7 @@ import torch.nn as nn
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from ..graph.meta import cast_info
-from ..graph.queries import mutated
+from ..graph.queries import attr_at, mutated
 from ..runtime.low_copies import LOW_COPIES_ATTR
 from ..runtime.weight_cache import CACHE_ATTR
 from ..runtime.weight_table import (
@@ -169,10 +169,7 @@ def gather_weights(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _attr(gm: nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
+    return attr_at(gm, target, None)
 
 
 def _parameter_cast(node: fx.Node, read: fx.Node) -> bool:

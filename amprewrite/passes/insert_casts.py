@@ -41,7 +41,7 @@ from ..capture.guards import is_input_guards
 from ..errors import AmpRewriteError
 from ..graph.fake import fake_run, same_val
 from ..graph.meta import META_KEY, CastInfo, Decision, cast_info, decision, pending_split
-from ..graph.queries import cast_source
+from ..graph.queries import attr_at, cast_source
 from ..policy.opkey import op_key, overload_key
 from ..policy.policy import Policy
 from ..policy.tables import OpCategory
@@ -317,10 +317,7 @@ class InsertCastsPass(PassBase):
         return read_name(node) is not None
 
     def _weight_value(self, node: fx.Node) -> Any:
-        obj: Any = self.gm
-        for part in str(read_name(node)).split("."):
-            obj = getattr(obj, part)
-        return obj
+        return attr_at(self.gm, str(read_name(node)))
 
     def _eligible(self, node: fx.Node) -> bool:
         if self._is_weight(node):

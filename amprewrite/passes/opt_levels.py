@@ -68,6 +68,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from ..capture.facts import GRAD_KEY
 from ..capture.guards import is_input_guards
 from ..graph.meta import CONVERTED_KEY, META_KEY, CastInfo
+from ..graph.queries import attr_at
 from ..policy.policy import Policy
 from ..policy.opkey import op_key
 from ..policy.tables import NORM_OPS, OpCategory
@@ -179,10 +180,7 @@ class _LowPrecisionRewrite:
 
     # -- weights ---------------------------------------------------------------------------
     def _attr(self, qualname: str) -> Any:
-        obj: Any = self.gm
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-        return obj
+        return attr_at(self.gm, qualname)
 
     def _castable(self, value: Any) -> bool:
         return (isinstance(value, torch.Tensor) and value.is_floating_point()

@@ -460,6 +460,10 @@ def test_grouped_query_decoder_trains_bitwise_with_the_preset() -> None:
     """A tiny HF Llama with two query heads per key/value head: the loss and every gradient
     as eager autocast gives them."""
     transformers = pytest.importorskip("transformers")
+    if tuple(int(p) for p in transformers.__version__.split(".")[:2]) < (5, 24):
+        pytest.xfail("transformers 5.17's Llama under the compile route: the loss is equal but "
+                     "13 of 21 gradients differ in the last bits (from the last layer's key and "
+                     "value projections down); bitwise from transformers 5.24")
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2,
                                       vocab_size=128)

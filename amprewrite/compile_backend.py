@@ -51,6 +51,7 @@ from .capture.graph_breaks import (ambient_autocast, regime_available, regime_of
 from .capture.own_autocast import describe_own_autocast_kernels, wrap_own_autocast_kernels
 from .capture.facts import GRAD_KEY, REGION_KEY, TRACED_IN_FP32, Region
 from .convert import resolve_dtype
+from .errors import user_stacklevel
 from .graph.meta import META_KEY, cast_info, decision
 from .hardware import model_device, warn_if_slow
 from .passes.pipeline import run_passes
@@ -94,7 +95,7 @@ class AmpBackend:
                 f"amprewrite.backend: torch.autocast({device!r}) is active around the "
                 f"compiled model, so autocast casts on top of amprewrite's explicit casts "
                 f"({self.policy.summary()}). Call the compiled model outside torch.autocast, "
-                "or use the Policy.autocast preset of that autocast.", stacklevel=2)
+                "or use the Policy.autocast preset of that autocast.", stacklevel=user_stacklevel())
         checkpoints = inline_checkpoints(gm)
         self._rewrite(gm, low, ambient, regime[0] if in_regime else None)
         outline_checkpoints(gm, checkpoints)

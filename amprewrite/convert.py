@@ -395,7 +395,7 @@ def _check_seen(reads: Reads, model: nn.Module) -> None:
             "attributes, submodules or tensors through the model's own modules, so changes to "
             "the model's Python state after conversion cannot be followed (this torch may trace "
             "a copy of the model). Convert again after changing the model, or use "
-            "amprewrite.compile(model).", stacklevel=4)
+            "amprewrite.compile(model).", stacklevel=user_stacklevel())
 
 
 def _rewrite(gm: fx.GraphModule, model: nn.Module, options: ConvertOptions, pair: _ModePair

@@ -24,6 +24,7 @@ import dataclasses
 import warnings
 from typing import Any, Iterator
 
+from ..errors import user_stacklevel
 from .fp8 import Fp8Record
 from .grad_hist import GradHistogram
 from .mode import Recorder, _AuditMode
@@ -152,7 +153,7 @@ class _AuditSession:
             warnings.warn(
                 f"amprewrite.audit: {len(recorder.failures)} op call(s) could not be recorded "
                 f"and are missing from the report; the first: {recorder.failures[0]}",
-                stacklevel=3)
+                stacklevel=user_stacklevel())
         stats, hist, grad_max = recorder.finish()
         records = []
         first_call, first = None, None

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..errors import user_stacklevel
 from ..graph.meta import cast_info
 from ..graph.queries import cast_source
 from ..graph.subgraphs import NotConvex, inline_body, outline
@@ -102,7 +103,7 @@ def outline_checkpoints(gm: fx.GraphModule, regions: list[CheckpointRegion]) -> 
                 f"amprewrite.backend: the activation checkpoint {region.name} could not be "
                 "kept after conversion, so its activations are stored for backward instead "
                 "of recomputed (values and gradients are unchanged). Checkpoint the "
-                "converted blocks instead: see docs/distributed.md.", stacklevel=3)
+                "converted blocks instead: see docs/distributed.md.", stacklevel=user_stacklevel())
             for node in members:  # left inlined: plain nodes of the graph from now on
                 node.meta.pop(CHECKPOINT_KEY, None)
     gm.recompile()

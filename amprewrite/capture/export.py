@@ -93,7 +93,7 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
             f"amprewrite: {type(model).__name__} could not be traced under "
             f"torch.autocast{regime} ({type(exc).__name__}: {_first_line(exc)}); it was traced "
             "in fp32, so dtypes the model reads off its tensors (x.to(y.dtype), "
-            "torch.finfo(x.dtype)) are recorded as fp32.", stacklevel=3)
+            "torch.finfo(x.dtype)) are recorded as fp32.", stacklevel=user_stacklevel())
         regime = None
     unlifted = ep.module()
     gm = fx.GraphModule(unlifted, unlifted.graph, class_name=type(model).__name__)

@@ -55,6 +55,7 @@ import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from ..capture.facts import REGION_KEY
+from ..errors import user_stacklevel
 from ..graph.fake import fake_run
 from ..graph.composites import is_composite, one_level, python_body
 from ..graph.meta import META_KEY, PIECES_KEY, PendingSplit, decision, pending_split
@@ -217,7 +218,8 @@ class DecomposeCompositesPass(PassBase):
             f"amprewrite: {node.format_node()} could not be split into its ATen pieces "
             f"(its kernel rejects symbolic sizes), so it runs whole in the dtype that "
             f"reaches it; torch.autocast would run its {', '.join(listed)} per the "
-            f"policy. Results may differ from torch.autocast for this op.", stacklevel=2)
+            f"policy. Results may differ from torch.autocast for this op.",
+            stacklevel=user_stacklevel())
 
     def _listed(self, node: fx.Node) -> bool:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):

@@ -34,7 +34,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..convert import convert, resolve_dtype
-from ..errors import AmpRewriteError
+from ..errors import AmpRewriteError, user_stacklevel
 from ..graph.meta import CONVERTED_KEY, decision
 from ..policy.policy import Policy
 from ..policy.tables import OpCategory
@@ -239,7 +239,8 @@ def search(model: nn.Module, example_inputs: Any, *, tol: float, policy: Policy 
         chosen = _best_passing(trials)
         warnings.warn(f"amprewrite.search: max_runs={max_runs} ran out while pruning; the "
                       f"policy meets tol with {len(chosen)} fp32 nodes, possibly more than "
-                      "needed. Pass a larger max_runs for the smallest set.", stacklevel=2)
+                      "needed. Pass a larger max_runs for the smallest set.",
+                      stacklevel=user_stacklevel())
     return _result(trials, chosen)
 
 

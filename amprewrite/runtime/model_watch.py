@@ -125,7 +125,7 @@ class ModelWatch:
                 "was converted from still holds the old ones, so saving or evaluating that "
                 "model uses the old values. Replace them on the model instead (the converted "
                 "module follows the model), or save the converted module's state_dict().",
-                stacklevel=4)
+                stacklevel=user_stacklevel())
 
     def _report_new_hooks(self, model: nn.Module) -> None:
         for name, module in model.named_modules():
@@ -142,7 +142,8 @@ class ModelWatch:
                         "does not run it (its graph calls none of the model's submodules). "
                         "Register the hook before amprewrite.convert (the capture records "
                         "what it computes), or register it on the converted module itself "
-                        "(gm.register_forward_hook(...) runs around each call).", stacklevel=4)
+                        "(gm.register_forward_hook(...) runs around each call).",
+                        stacklevel=user_stacklevel())
 
     # A copy of the converted module has tensors of its own: nothing to keep shared.
     def __deepcopy__(self, memo: dict) -> None:

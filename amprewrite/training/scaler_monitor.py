@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
+from ..errors import user_stacklevel
 from ..passes.opt_levels import opt_level_of
 from .optimizers import held_tensors, list_names, optimizer_list, parameter_names
 
@@ -115,7 +116,7 @@ class ScalerMonitor:
                 f"amprewrite.ScalerMonitor: fp16 training with {why}: gradients below "
                 "6e-8 flush to zero in fp16 and training stalls without an error. Use "
                 "scaler = torch.amp.GradScaler(device_type) with scaler.scale(loss).backward(), "
-                "or train in bf16.", UserWarning, stacklevel=2)
+                "or train in bf16.", UserWarning, stacklevel=user_stacklevel())
 
     def _counter(self, i: int) -> Any:
         def count(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
@@ -165,7 +166,7 @@ class ScalerMonitor:
                 f"the loss scale is now {record.next_scale:g}.{culprits} Look for an op "
                 "that overflows in low precision (amprewrite can keep it in fp32 with "
                 "Policy().override(keep_fp32=[...])), or train in bf16.",
-                UserWarning, stacklevel=3)
+                UserWarning, stacklevel=user_stacklevel())
         below = record.next_scale < self.min_scale
         if below and not self._below:
             warnings.warn(
@@ -174,7 +175,7 @@ class ScalerMonitor:
                 f"{record.step}: gradients overflow even unscaled, so the inf/NaN comes from "
                 f"the model, not from scaling.{culprits} Check the forward for fp16 overflow "
                 "(e.g. -1e9 mask constants, large activations) or train in bf16.",
-                UserWarning, stacklevel=3)
+                UserWarning, stacklevel=user_stacklevel())
         self._below = below
 
     # -- reading -----------------------------------------------------------------------

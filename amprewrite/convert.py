@@ -14,32 +14,20 @@ import torch.nn as nn
 
 from .capture.converted import CONVERTED_KEY, MODEL_KEY, capture_converted, is_converted
 from .capture.export import DynamicDims, Regime, capture_export, dynamic_shapes
-from .capture.first_call import placeholder_module
-from .capture.modes import (
-    MODE_KEY,
-    MODES_ATTR,
-    NOT_CAPTURED_KEY,
-    PendingMode,
-    attach_modes,
-    captured_mode,
-    in_mode,
-    mode_name,
-    not_captured_graph,
-    relink_modes,
-    share_root_state,
-    share_state,
-)
-from .capture.isolation import CAPTURE_LOCK, outside_modes
+from .module.first_call import placeholder_module
+from .module.cache import CACHE_KEY, STATE_KEY, Entry, GraphCache
+from .module.modes import MODE_KEY, NOT_CAPTURED_KEY, in_mode, mode_name, not_captured_graph
+from .module.sharing import rebind_table, relink_graph, share_root_state, share_state
+from .module.isolation import CAPTURE_LOCK, outside_modes
 from .capture.logs import quiet_capture_logs
 from .capture.persistence import match_persistence
 from .capture.reads import (Reads, note_leaf_modules, recording_reads, restore_classes,
                             restore_writes)
 from .capture.state import preserved_global_state
-from .capture.variants import GUARD_ATTR, STATE_KEY, CallGuard
 from .capture.symbolic import capture_symbolic, propagate_meta
 from .errors import AmpRewriteError, user_stacklevel
-from .capture.calling import finish
-from .capture.model_view import adopt_model
+from .module.calling import finish
+from .module.model_view import adopt_model
 from .graph.inputs import record_inputs
 from .graph.meta import META_KEY
 from .graph.queries import module_paths
@@ -56,7 +44,7 @@ from .passes.opt_levels import (
 from .passes.pipeline import run_passes
 from .options import ConvertOptions, resolve_dtype
 from .policy.policy import Policy
-from .runtime.model_watch import WATCH_ATTR, ModelWatch, share_tensor_dicts, watch_model
+from .module.model_watch import ModelWatch, share_tensor_dicts, watch_model
 from .capture.snapshot import StateSnapshot
 
 __all__ = ["convert", "resolve_dtype"]
@@ -89,7 +77,7 @@ def convert(
         capture: ``"auto"`` (export when example inputs are given, else symbolic),
             ``"symbolic"`` or ``"export"``. ``"export"`` without example inputs captures at
             the first call, from its inputs, and again for inputs the graph does not fit
-            (:mod:`amprewrite.capture.first_call`): for trainers that take the model before
+            (:mod:`amprewrite.module.first_call`): for trainers that take the model before
             any batch exists.
         opt_level: Apex's levels. ``"O1"`` (default): the per-op policy above. ``"O0"``: fp32,
             no casts (the baseline). ``"O2"``: weights stored in the low dtype (except
@@ -106,7 +94,7 @@ def convert(
             computes in fp32 (rule ``"range: ..."`` in ``explain``). O1 only.
         on_change: what a call does when the model's Python state that the capture read has
             changed since (an attribute, a config value, a submodule replaced, an adapter
-            switched: see :mod:`amprewrite.capture.variants`). ``"recapture"`` (default):
+            switched: see :mod:`amprewrite.module.cache`). ``"recapture"`` (default):
             capture the model as it is now, with the call's inputs, warning once with what
             changed, and keep the earlier graph for when the state returns (at most 8 states).
             ``"raise"``: raise :class:`AmpRewriteError` naming what changed.
@@ -118,7 +106,7 @@ def convert(
     ``model`` is captured in the mode it is in (``model.training``); the other mode is
     captured, with the same inputs and options, the first time ``gm.train(mode)`` /
     ``gm.eval()`` switches to it (outside ``torch.compile`` and tracing; see
-    :mod:`amprewrite.capture.modes`). ``gm`` holds a reference to ``model`` and to the
+    :mod:`amprewrite.module.modes`). ``gm`` holds a reference to ``model`` and to the
     example inputs (and a deep copy of ``gm`` a copy of them).
 
     ``gm`` stays the model: it computes with the model's tensors as they are at each call
@@ -133,9 +121,13 @@ def convert(
                            or example_kwargs is not None)
     if first_call:
         return _placeholder(model, options, recapture)
-    gm = recapture.capture(example_inputs, example_kwargs)
-    gm.__dict__[GUARD_ATTR] = CallGuard(gm, None if is_converted(model) else recapture,
-                                        options.on_change, recapture.watch(gm))
+    entries = recapture.capture(example_inputs, example_kwargs)
+    gm = entries[0].holder  # not held yet: its own module
+    assert gm is not None
+    cache = GraphCache(recapture, options.on_change)
+    cache.start(gm, entries, "at conversion")
+    cache.watch = recapture.watch(gm)
+    cache.attach(gm)
     if not is_converted(model):
         # NB: the capture's signature stays: it names the example's inputs, which Trainer
         # then passes (and no loss kwargs the example did not have)
@@ -146,59 +138,85 @@ def convert(
 def _placeholder(model: nn.Module, options: ConvertOptions, recapture: _Recapture
                  ) -> fx.GraphModule:
     """The module of ``convert(model, capture="export")`` without example inputs, captured at
-    its first call (:mod:`.capture.first_call`)."""
+    its first call (:mod:`.module.first_call`)."""
     level, low = options.opt_level, options.low
     meta: dict[str, Any] = {CONVERTED_KEY: (options.policy, low),
                             MODEL_KEY: type(model).__name__}
     if level != "O1":
         meta[OPT_LEVEL_KEY] = OptLevel(level, None if level == "O0" else low)
     gm = finish(placeholder_module(model, meta, o2=level == "O2"))
-    gm.__dict__[GUARD_ATTR] = CallGuard(gm, recapture, options.on_change, None, first_call=True)
+    GraphCache(recapture, options.on_change, first_call=True).attach(gm)
     adopt_model(gm, model)  # ``(*args, **kwargs)`` until then: the model's signature
     return gm
 
 
 class _Recapture:
-    """How a converted module captures the model again for a new state: ``convert``'s
-    arguments, and the call's inputs where the capture needs inputs (:mod:`.capture.variants`).
-    A class, not a closure, so that a deep copy of the module copies the model with it."""
+    """How a converted module captures its model: ``convert``'s arguments, and the inputs of
+    the call or the entry a capture is made for (:mod:`.module.cache`). A class, not a
+    closure, so that a deep copy of the module copies the model with it."""
 
     def __init__(self, model: nn.Module, options: ConvertOptions, has_inputs: bool) -> None:
         self.model, self.options = model, options
         self.has_inputs = has_inputs
         """Whether a capture takes the call's inputs: convert's capture did (example inputs),
         or is to be made at the first call."""
+        self.can_recapture = not is_converted(model)
+        """A converted module converted again captures its other mode only: its model's
+        state is the converted module's graph."""
 
     def __call__(self, gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any],
-                 varying: DynamicDims = frozenset()) -> fx.GraphModule:
+                 varying: DynamicDims = frozenset()) -> list[Entry]:
         call_args, call_kwargs = (args, kwargs or None) if self.has_inputs else (None, None)
         with in_mode(self.model, gm.training):
             return self.capture(call_args, call_kwargs, root=gm, varying=varying)
 
     def capture(self, args: tuple | None, kwargs: dict[str, Any] | None,
                 root: fx.GraphModule | None = None,
-                varying: DynamicDims = frozenset()) -> fx.GraphModule:
+                varying: DynamicDims = frozenset()) -> list[Entry]:
         """The model converted as it is now, in the mode it is in, finished (its calls and
-        copies those of a converted module), holding the model's own tensor dicts. ``root``:
-        the converted module a capture for a new state shares its root tensors with."""
+        copies those of a converted module), holding the model's own tensor dicts: its entry,
+        then the other mode's where an override made it captured now. ``root``: the
+        converted module a capture for a new state shares its root tensors with."""
         model = self.model
         with CAPTURE_LOCK.writing(), outside_modes(), preserved_global_state(), \
                 quiet_capture_logs():
-            core = _capture_and_rewrite(model, args, kwargs, self.options, root=root,
-                                        varying=varying)
+            entries = _capture_and_rewrite(model, args, kwargs, self.options, root=root,
+                                           varying=varying)
+            core = entries[0].holder
             if self.options.opt_level != "O3":  # O3 runs on its own copy: nothing shared
                 share_tensor_dicts(core, model)
-                relink_modes(core)  # the weight tables read the shared dicts
-        _record_inputs(core, model, args, kwargs, self.options.capture)
-        core.meta.setdefault(MODEL_KEY, type(model).__name__)  # a converted module keeps its name
-        return finish(core)
+                for entry in entries[1:]:  # the weight tables read the shared dicts
+                    relink_graph(core, entry.holder)
+                rebind_table(core)
+        for entry in entries:
+            graph = entry.holder
+            if NOT_CAPTURED_KEY not in graph.meta:
+                _record_inputs(graph, model, args, kwargs, self.options.capture)
+            graph.meta.setdefault(MODEL_KEY, type(model).__name__)  # a converted module
+            # keeps its model's name
+            finish(graph)
+        return entries
+
+    def capture_mode(self, gm: fx.GraphModule, training: bool, like: Entry) -> Entry | None:
+        """The entry of ``training`` mode for ``like``'s group, which ``gm`` holds: captured
+        with ``like``'s inputs, reading ``gm``'s tensors; None where it is ``like``'s code;
+        one whose graph raises (:func:`not_captured_graph`), with a warning, where the capture
+        fails."""
+        pair = _ModePair(varying=like.varying)
+        pair.main, pair.main_code = gm, like.raw_code
+        with CAPTURE_LOCK.writing(), outside_modes(), preserved_global_state(), \
+                quiet_capture_logs():
+            other = _capture_other(like.source, training, like.inputs, self.options, pair)
+        if other is None:
+            return None
+        if NOT_CAPTURED_KEY not in other.meta:
+            _record_inputs(other, like.source, *like.inputs, self.options.capture)
+        return Entry(finish(other), (training,), like.source, like.inputs, like.varying)
 
     def watch(self, gm: fx.GraphModule) -> ModelWatch | None:
         """The watch over the model's hooks and tensor slots, made once ``gm`` holds the
         model's tensors (at conversion, or at the first call)."""
-        if self.options.opt_level != "O3":
-            watch_model(gm, self.model)
-        return gm.__dict__.get(WATCH_ATTR)
+        return watch_model(gm, self.model) if self.options.opt_level != "O3" else None
 
 
 def _record_inputs(gm: fx.GraphModule, model: nn.Module, args: tuple | None,
@@ -229,9 +247,9 @@ class _ModePair:
 
 def _capture_and_rewrite(model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None,
                          options: ConvertOptions, root: fx.GraphModule | None = None,
-                         varying: DynamicDims = frozenset()) -> fx.GraphModule:
-    """The graph of the mode ``model`` is in; the other mode is captured when the module is
-    first switched to it (see :mod:`.capture.modes`), or now where an override names nothing
+                         varying: DynamicDims = frozenset()) -> list[Entry]:
+    """The entry of the mode ``model`` is in; the other mode is captured when the module is
+    first switched to it (see :mod:`.module.modes`), or now where an override names nothing
     in the first mode's capture (it may name something in the other's). ``root``: the
     converted module whose root tensors a capture for a new state shares."""
     if options.opt_level == "O3" and not is_converted(model):
@@ -240,66 +258,50 @@ def _capture_and_rewrite(model: nn.Module, args: tuple | None, kwargs: dict[str,
     pair = _ModePair(root, varying)
     main = _capture_one(model, args, kwargs, options, pair)
     assert main is not None  # the first mode is never the same code as another
-    training = not main.meta[MODE_KEY]
-    other: _OtherMode | None = _OtherMode(model, args, kwargs, options, pair.main_code, varying)
-    if is_converted(model) and model.__dict__.get(MODES_ATTR, (None, None))[training] is None:
-        other = None  # one graph serves both modes of the converted input
-    attach_modes(main, other)
-    if other is not None and any(_override_misses(pair, options.policy)):
-        attach_modes(main, other.capture(main, training, pair))
+    training = bool(main.meta[MODE_KEY])
+    modes: tuple[bool, ...] = (training,)
+    if is_converted(model) and _serves_both(model):
+        modes = (False, True)  # one graph serves both modes of the converted input
+    entries = [Entry(main, modes, model, (args, kwargs), varying, pair.main_code)]
+    if len(modes) == 1 and any(_override_misses(pair, options.policy)):
+        other = _capture_other(model, not training, (args, kwargs), options, pair)
+        if other is not None:
+            entries.append(Entry(other, (not training,), model, (args, kwargs), varying))
     if root is None:  # a new state's capture: the names were checked at conversion
         _check_override_names(pair, options.policy)
-    return main
+    return entries
 
 
-class _OtherMode(PendingMode):
-    """The mode ``convert`` did not capture: ``convert``'s arguments, to capture it the first
-    time the converted module is switched to it. Holds the model and the example inputs (a
-    deep copy of the converted module copies them along with its tensors, so that the copy
-    captures from a model holding its own tensors)."""
+def _serves_both(gm: nn.Module) -> bool:
+    cache = gm.__dict__.get(CACHE_KEY)
+    return cache is not None and cache.held is not None and len(cache.held.modes) == 2
 
-    def __init__(self, model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None,
-                 options: ConvertOptions, main_code: str,
-                 varying: DynamicDims = frozenset()) -> None:
-        self.model, self.args, self.kwargs, self.varying = model, args, kwargs, varying
-        self.options, self.main_code = options, main_code
 
-    def capture(self, main: fx.GraphModule, training: bool,
-                pair: _ModePair | None = None) -> fx.GraphModule | None:
-        if pair is None:
-            pair = _ModePair(varying=self.varying)
-            pair.main, pair.main_code = main, self.main_code
-        with CAPTURE_LOCK.writing(), outside_modes(), preserved_global_state(), \
-                quiet_capture_logs():
-            other = self._capture(main, training, pair)
-        if other is None:
-            return None
-        if NOT_CAPTURED_KEY not in other.meta:
-            _record_inputs(other, self.model, self.args, self.kwargs, self.options.capture)
-        return finish(other)
-
-    def _capture(self, main: fx.GraphModule, training: bool,
-                 pair: _ModePair) -> fx.GraphModule | None:
-        model, inputs = self.model, (self.args, self.kwargs, self.options, pair)
-        if is_converted(model):  # the converted input's graph of that mode
-            source = model if model.meta.get(MODE_KEY) == training else \
-                captured_mode(model, training)  # type: ignore[arg-type]
-            if source is None:
-                return None
-            if NOT_CAPTURED_KEY in source.meta:
-                return not_captured_graph(main, training, source.meta[NOT_CAPTURED_KEY])
-            return _capture_one(source, *inputs)
-        try:
-            with in_mode(model, training):
-                return _capture_one(model, *inputs)
-        except Exception as exc:
-            other = not_captured_graph(main, training, exc)
-            warnings.warn(
-                f"amprewrite: {type(model).__name__} could not be captured in "
-                f"{mode_name(training)} mode ({other.meta[NOT_CAPTURED_KEY]}); the converted "
-                f"module runs in {mode_name(not training)} mode only, and raises if called "
-                f"after gm.{mode_name(training)}().", stacklevel=user_stacklevel())
-            return other
+def _capture_other(model: nn.Module, training: bool,
+                   inputs: tuple[tuple | None, dict[str, Any] | None], options: ConvertOptions,
+                   pair: _ModePair) -> fx.GraphModule | None:
+    """The graph of ``training`` mode, the other of ``pair.main``'s: None where it is the
+    same code; a graph that raises, with a warning, where the model cannot be captured in
+    that mode."""
+    main = pair.main
+    assert main is not None
+    args, kwargs = inputs
+    if is_converted(model):  # the converted input's graph of that mode
+        source = model.__dict__[CACHE_KEY].graph_in(model, training)
+        if NOT_CAPTURED_KEY in source.meta:
+            return not_captured_graph(main, training, source.meta[NOT_CAPTURED_KEY])
+        return _capture_one(source, args, kwargs, options, pair)
+    try:
+        with in_mode(model, training):
+            return _capture_one(model, args, kwargs, options, pair)
+    except Exception as exc:
+        other = not_captured_graph(main, training, exc)
+        warnings.warn(
+            f"amprewrite: {type(model).__name__} could not be captured in "
+            f"{mode_name(training)} mode ({other.meta[NOT_CAPTURED_KEY]}); the converted "
+            f"module runs in {mode_name(not training)} mode only, and raises if called "
+            f"after gm.{mode_name(training)}().", stacklevel=user_stacklevel())
+        return other
 
 
 def _capture_one(model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None,

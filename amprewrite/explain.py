@@ -31,9 +31,9 @@ import torch
 import torch.fx as fx
 
 from .capture.guards import is_input_guards
-from .capture.first_call import NOT_CAPTURED_YET_KEY
-from .capture.modes import NOT_CAPTURED_KEY, mode_graphs, mode_name, pending_mode
-from .capture.variants import GUARD_ATTR
+from .module.first_call import NOT_CAPTURED_YET_KEY
+from .module.cache import cache_of
+from .module.modes import NOT_CAPTURED_KEY, mode_name
 from .compile_backend import AmpBackend
 from .graph.meta import META_KEY, cast_info, decision, fp8_step
 from .graph.queries import module_paths
@@ -183,10 +183,11 @@ def explain_records(target: Any) -> list[dict[str, Any]]:
         record = {"graph": title, "policy": facts["policy"], "low_dtype": facts["low_dtype"],
                   "hardware": facts["hardware"], "fast_low_dtype": facts["fast_low_dtype"],
                   "facts": facts, "nodes": rows, "summary": _summary(gm, rows)}
-        if mode_graphs(gm):
+        cache = cache_of(gm)
+        if cache is not None and cache.mode_graphs(gm):
             _add_modes(record, gm, low)
-        elif pending_mode(gm) is not None:
-            record["not_captured_yet"] = mode_name(bool(pending_mode(gm)))
+        elif cache is not None and cache.pending_mode() is not None:
+            record["not_captured_yet"] = mode_name(bool(cache.pending_mode()))
         out.append(record)
     return out
 
@@ -200,7 +201,7 @@ def _add_modes(record: dict[str, Any], gm: fx.GraphModule, low: torch.dtype) -> 
     the two differ (in the order of the graphs, as a diff aligns them)."""
     per_mode: dict[str, list[dict[str, Any]]] = {}
     record["modes"] = {}
-    for training, graph in mode_graphs(gm):
+    for training, graph in cache_of(gm).mode_graphs(gm):  # type: ignore[union-attr]
         name = mode_name(training)
         if NOT_CAPTURED_KEY in graph.meta:
             record["modes"][name] = {"not_captured": graph.meta[NOT_CAPTURED_KEY]}
@@ -255,13 +256,14 @@ def explain(target: Any, *, all_nodes: bool = False,
 
 
 def _captures(target: Any) -> str:
-    """The graphs a converted module captured after its first, and why (none: nothing)."""
-    log = getattr(target.__dict__.get(GUARD_ATTR) if isinstance(target, torch.nn.Module)
-                  else None, "captures", [])
-    if len(log) < 2:
+    """The graphs a converted module keeps, and why each was made (nothing where it holds
+    the one graph it was converted with)."""
+    cache = cache_of(target) if isinstance(target, torch.nn.Module) else None
+    lines = cache.describe() if cache is not None else []
+    if not lines or (len(lines) == 1 and not cache.recaptured):  # type: ignore[union-attr]
         return ""
-    return "\n\ncaptures, oldest first:\n" + "\n".join(
-        f"  {i}. {why}" for i, why in enumerate(log, 1))
+    return "\n\ngraphs kept, oldest first:\n" + "\n".join(
+        f"  {i}. {line}" for i, line in enumerate(lines, 1))
 
 
 def decision_tables(target: Any, *, all_nodes: bool = False) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .capture.variants import ON_CHANGE
+from .module.cache import ON_CHANGE
 from .hardware import model_device, warn_if_slow
 from .passes.calibrate import CalibrationInput, check_calibrate
 from .passes.opt_levels import check_opt_level

@@ -1,9 +1,9 @@
-"""The per-call check of a converted module (:class:`amprewrite.capture.variants.CallGuard`):
+"""The per-call check of a converted module (:meth:`amprewrite.module.cache.GraphCache.holds`):
 its cost against the converted forward it guards, in µs, one torch thread.
 
 For each model: the check alone (``guard.holds(gm)``: the mode, the registration stamp and
 every attribute, submodule table and config the capture read), the capture lock each call
-takes as a reader (:mod:`amprewrite.capture.isolation`), the whole converted forward in
+takes as a reader (:mod:`amprewrite.module.isolation`), the whole converted forward in
 inference (``no_grad``, check and lock included), and their share of it. Models: the launch-bound
 model (50 blocks ``x + Linear(LayerNorm(x))`` of width 8 at batch 2, where a forward is all
 host overhead) and a tiny HF Llama of 24 layers (hidden size 16, about 320 submodules), both
@@ -30,8 +30,8 @@ from _models import LaunchBound  # noqa: E402
 from _speed_report import machine  # noqa: E402
 
 import amprewrite  # noqa: E402
-from amprewrite.capture.isolation import CAPTURE_LOCK  # noqa: E402
-from amprewrite.capture.variants import GUARD_ATTR  # noqa: E402
+from amprewrite.module.isolation import CAPTURE_LOCK  # noqa: E402
+from amprewrite.module.cache import cache_of  # noqa: E402
 
 
 def _read_lock() -> None:
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             gm = amprewrite.convert(model, inputs, policy=policy)
-        guard = gm.__dict__[GUARD_ATTR]
+        guard = cache_of(gm)
         assert guard.holds(gm), "the check must hold right after conversion"
         with torch.no_grad():
             gm(*inputs)

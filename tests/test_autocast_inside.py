@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import amprewrite
 from amprewrite import AutocastOverrideWarning, Policy
-from amprewrite.capture.calling import _any_autocast_enabled
+from amprewrite.module.calling import _any_autocast_enabled
 from _fake_cuda import cuda_autocast
 
 X = torch.randn(2, 8)

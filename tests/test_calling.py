@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 import amprewrite
-from amprewrite.capture.calling import _converted_call
+from amprewrite.module.calling import _converted_call
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import amprewrite
 from amprewrite.explain import explain_records
-from amprewrite.capture.variants import GUARD_ATTR, MAX_STATES
+from amprewrite.module.cache import MAX_STATES, cache_of
 from amprewrite.errors import AmpRewriteError
 
 bf16 = torch.bfloat16
@@ -70,7 +70,7 @@ def test_trains_from_an_optimizer_built_before_the_first_call_bitwise() -> None:
             o.step()
             o.zero_grad()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
-    assert not gm.__dict__[GUARD_ATTR].cores  # the dynamic capture took every batch size
+    assert len(cache_of(gm).entries) == 1  # the dynamic capture took every batch size
     assert "not_captured_yet" not in gm.code and "bfloat16" in gm.code
     gm.eval()
     twin.eval()
@@ -96,7 +96,7 @@ def test_inputs_the_graph_does_not_fit_are_captured_again_with_a_warning() -> No
             warnings.simplefilter("error")
             gm(_x(2, 5, 8))  # the first graph again: no capture
             gm(_x(3, 4, 3, 8))  # and the second
-    assert len(gm.__dict__[GUARD_ATTR].cores) == 1
+    assert len(cache_of(gm).entries) == 2
 
 
 def test_captures_for_inputs_are_bounded() -> None:

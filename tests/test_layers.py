@@ -8,6 +8,7 @@ Layers, lowest first (docs/how-it-works.md shows the same map)::
     runtime              what converted graphs call while they run
     graph                facts about nodes shared by capture, passes and tools
     capture              model -> GraphModule
+    module               the converted module after convert: its cache of graphs, its calls
     passes               the graph rewrite
     convert, options     the entry point that runs capture and passes; its options, checked
     compile_backend      the torch.compile backend (runs the passes on Dynamo graphs)
@@ -36,6 +37,7 @@ LAYERS = [
     {"runtime"},
     {"graph"},
     {"capture"},
+    {"module"},
     {"passes"},
     {"convert", "options"},
     {"compile_backend"},

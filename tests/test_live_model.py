@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 import amprewrite
-from amprewrite.capture.variants import GUARD_ATTR, MAX_STATES
+from amprewrite.module.cache import MAX_STATES, cache_of
 from amprewrite.errors import AmpRewriteError
 
 bf16 = torch.bfloat16
@@ -154,7 +154,7 @@ def test_a_state_seen_before_reuses_its_graph(capture: str) -> None:
         model.block.use_gate = False
         with _captures_again("block.use_gate"):
             second = gm(X)
-        guard = gm.__dict__[GUARD_ATTR]
+        guard = cache_of(gm)
         for _ in range(3):
             model.block.use_gate = True
             with _silent():
@@ -162,7 +162,7 @@ def test_a_state_seen_before_reuses_its_graph(capture: str) -> None:
             model.block.use_gate = False
             with _silent():
                 assert torch.equal(gm(X), second)
-        assert len(guard.cores) == 1
+        assert len(guard.entries) == 2
 
 
 @pytest.mark.parametrize("capture", ["export", "symbolic"])
@@ -341,7 +341,7 @@ def test_each_capture_path_sees_the_model_read(capture: str) -> None:
     """The check rests on the capture running the model's own modules: each path must note
     reads of them (a torch that traced a copy would make this fail, and convert warn)."""
     gm = _convert(_model(), capture)
-    snapshot = gm.__dict__[GUARD_ATTR].snapshot
+    snapshot = cache_of(gm).snapshot
     names = {item.name for item in snapshot._values}
     assert {"block", "block.use_gate", "block.temperature", "head"} <= names, names
     with warnings.catch_warnings():

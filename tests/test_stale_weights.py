@@ -20,7 +20,7 @@ import amprewrite
 from amprewrite import Policy
 from amprewrite.capture.guards import InputGuards, _rebuilt_guards
 from amprewrite.runtime.low_copies import LOW_COPIES_ATTR
-from amprewrite.runtime.model_watch import changes as _changes
+from amprewrite.module.model_watch import changes as _changes
 
 bf16 = torch.bfloat16
 PRESET = Policy.autocast("cpu", bf16)

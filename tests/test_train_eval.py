@@ -17,7 +17,8 @@ import torch.nn as nn
 
 import amprewrite
 from amprewrite.capture import export as export_capture
-from amprewrite.capture.modes import MODES_ATTR, NOT_CAPTURED_KEY, PendingMode
+from amprewrite.module.cache import cache_of
+from amprewrite.module.modes import NOT_CAPTURED_KEY
 from amprewrite.explain import explain_records
 from amprewrite.errors import AmpRewriteError
 
@@ -164,13 +165,23 @@ def test_a_mode_that_cannot_be_captured_raises_when_called() -> None:
     gm(X)  # the captured mode still runs
 
 
+def _one_graph(gm: torch.fx.GraphModule) -> bool:
+    """Whether one graph serves both modes (the held entry computes both)."""
+    return cache_of(gm).held.modes == (False, True)
+
+
+def _graph_of(gm: torch.fx.GraphModule, training: bool) -> torch.fx.GraphModule:
+    """The module holding the graph of ``training`` mode (``gm``, or a kept entry's)."""
+    return dict(cache_of(gm).mode_graphs(gm))[training]
+
+
 def test_one_graph_for_models_without_mode_dependent_code() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
     gm = _convert(model, "export").eval()  # (model is in train mode)
-    assert gm.__dict__[MODES_ATTR] == (None, None)
+    assert _one_graph(gm)
     gm = _convert(_model(training=False), "symbolic")  # BatchNorm and Dropout stay modules
     gm.train().eval()
-    assert gm.__dict__[MODES_ATTR] == (None, None)
+    assert _one_graph(gm)
     header = next(line for line in amprewrite.explain(gm).splitlines() if "category" in line)
     assert "mode" not in header
 
@@ -178,7 +189,7 @@ def test_one_graph_for_models_without_mode_dependent_code() -> None:
 def test_both_graphs_share_one_state_and_copies_keep_sharing() -> None:
     model = _model(training=False)
     gm = _convert(model, "export").train().eval()
-    sibling = gm.__dict__[MODES_ATTR][True]
+    sibling = _graph_of(gm, True)
     assert gm.graph is not sibling.graph and sibling._parameters is gm._parameters
     assert list(gm.state_dict()) == list(model.state_dict())
     assert [n for n, _ in gm.named_parameters()] == [n for n, _ in model.named_parameters()]
@@ -187,7 +198,7 @@ def test_both_graphs_share_one_state_and_copies_keep_sharing() -> None:
     state = {k: v + 1 if v.is_floating_point() else v for k, v in model.state_dict().items()}
     gm.load_state_dict(state)
     copied = copy.deepcopy(gm).train()
-    assert copied.__dict__[MODES_ATTR][False]._parameters is copied._parameters
+    assert _graph_of(copied, False)._parameters is copied._parameters
     before = _stats(copied)
     torch.manual_seed(3)
     out = copied(X)
@@ -307,10 +318,10 @@ def test_trainer_evaluation_of_a_model_with_dropout_matches_autocast(tmp_path: o
         gm = amprewrite.convert(model, (), example_kwargs={k: v[None].repeat(4, 1)
                                                            for k, v in ids.items()},
                                 policy=PRESET)
-    assert isinstance(gm.__dict__[MODES_ATTR][False], PendingMode)  # captured at Trainer's eval
+    assert cache_of(gm).pending_mode() is False  # captured at Trainer's eval
     twin.accepts_loss_kwargs = False  # as the converted forward takes only its keywords
     losses = _trainer_eval_losses(gm, f"{tmp_path}/converted", bf16=False)
-    assert any(isinstance(e, nn.Module) for e in gm.__dict__[MODES_ATTR])  # dropout: 2 graphs
+    assert cache_of(gm).mode_graphs(gm)  # dropout: a graph per mode
     expected = _trainer_eval_losses(twin, f"{tmp_path}/autocast", bf16=True)
     assert len(losses) == 3 and losses == expected
 
@@ -337,7 +348,7 @@ def test_convert_captures_one_mode_and_the_first_switch_the_other(training: bool
     with _counted_exports() as calls:
         gm = _convert(_model(training), "export")
     assert calls == [training]  # one capture, in the model's mode
-    assert isinstance(gm.__dict__[MODES_ATTR][not training], PendingMode)
+    assert cache_of(gm).pending_mode() is (not training)
     with _counted_exports() as calls:
         gm.train(training)  # no switch: nothing to capture
         gm(X)
@@ -354,15 +365,15 @@ def test_convert_captures_one_mode_and_the_first_switch_the_other(training: bool
             gm(X)
             gm.train(not training)
         assert calls == [not training]  # later switches exchange the two graphs
-    assert all(isinstance(e, nn.Module) or e is None for e in gm.__dict__[MODES_ATTR])
+    assert cache_of(gm).pending_mode() is None and len(cache_of(gm).entries) == 2
 
 
 def test_a_deep_copy_captures_its_pending_mode_on_its_own_tensors() -> None:
     model = _model(training=False)
     gm = _convert(model, "export")
     copied = copy.deepcopy(gm).train()
-    assert isinstance(gm.__dict__[MODES_ATTR][True], PendingMode)  # the original: still pending
-    assert copied.__dict__[MODES_ATTR][False]._parameters is copied._parameters
+    assert cache_of(gm).pending_mode() is True  # the original: still pending
+    assert _graph_of(copied, False)._parameters is copied._parameters
     assert list(copied.state_dict()) == list(model.state_dict())
     before = _stats(copied)
     copied(X)
@@ -379,12 +390,12 @@ def test_switching_to_a_pending_mode_while_tracing_asks_for_a_switch_outside() -
     gm = _convert(_model(training=False), "export")
     with FakeTensorMode(), pytest.raises(AmpRewriteError, match=r"Call gm\.train\(\) once outside"):
         gm.train()
-    assert not gm.training or isinstance(gm.__dict__[MODES_ATTR][True], PendingMode)
+    assert not gm.training or cache_of(gm).pending_mode() is True
     gm.eval().train()  # outside: captured
     with FakeTensorMode():
         gm.eval()
         gm.train()  # captured already: a swap
-    assert gm.graph is not gm.__dict__[MODES_ATTR][False].graph
+    assert gm.graph is not _graph_of(gm, False).graph
 
 
 def test_an_override_naming_only_the_other_mode_captures_it_at_conversion() -> None:
@@ -393,7 +404,7 @@ def test_an_override_naming_only_the_other_mode_captures_it_at_conversion() -> N
         warnings.simplefilter("ignore")
         gm = amprewrite.convert(_model(training=False), (X,), policy=policy)
     assert calls == [False, True]
-    assert isinstance(gm.__dict__[MODES_ATTR][True], nn.Module)
+    assert len(cache_of(gm).entries) == 2 and cache_of(gm).pending_mode() is None
 
 
 def test_a_call_that_does_not_fit_the_capture_says_so_in_either_mode() -> None:

@@ -26,10 +26,10 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from ..capture.calling import generated_code
+from ..module.calling import generated_code
 from ..graph.meta import CONVERTED_KEY, cast_info
 from ..graph.queries import module_paths
-from ..runtime.model_watch import own_global_hooks
+from ..module.model_watch import own_global_hooks
 from ..runtime.weight_table import is_fetch
 
 __all__ = ["Context", "Attribution"]

@@ -245,7 +245,7 @@ def dynamic_dims(x: torch.Tensor) -> range:
 
 DynamicDims = frozenset  # of (input name, dimension), named as graph/inputs.py names inputs
 """Dimensions to capture symbolic beyond :func:`dynamic_dims`: those a call was seen to vary
-(automatic dynamic sizes, :mod:`amprewrite.capture.variants`)."""
+(automatic dynamic sizes, :mod:`amprewrite.module.cache`)."""
 
 
 def dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,

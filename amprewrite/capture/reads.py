@@ -28,7 +28,7 @@ What is noted, per module of the model (objects the forward makes, such as the s
   since the forward reads it through helpers the recording cannot see into.
 
 ``training`` is not noted: the converted module's mode is its own (``gm.train()``/``gm.eval()``,
-:mod:`.modes`), and each mode's capture sets the model's flags for its duration.
+:mod:`amprewrite.module.modes`), and each mode's capture sets the model's flags for its duration.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A :class:`StateSnapshot` is taken from the reads of one capture (:mod:`amprewrit
 the value of each attribute the forward read, the tables of submodules it walked, the config
 objects it consulted, and the slots it found empty. Each call of the converted module asks
 :meth:`StateSnapshot.holds`; where it does not, the module captures again or raises
-(:mod:`amprewrite.capture.variants`), and :meth:`StateSnapshot.changes` names what changed::
+(:mod:`amprewrite.module.cache`), and :meth:`StateSnapshot.changes` names what changed::
 
     block.use_gate: True -> False
     config.output_hidden_states: False -> True
@@ -20,10 +20,10 @@ everything else by identity (a replaced submodule, config or tensor), never by a
 ``==``.
 
 Parameter and buffer slots are not compared here: the converted module's submodules hold the
-model's own ``_parameters`` and ``_buffers`` dicts (:func:`amprewrite.runtime.model_watch.share_tensor_dicts`),
+model's own ``_parameters`` and ``_buffers`` dicts (:func:`amprewrite.module.model_watch.share_tensor_dicts`),
 so a tensor replaced on the model, by ``setattr`` or written straight into the dict, is what the
 converted module reads. Only the slots a capture found empty (``bias=None``) are compared, and
-only after something registered a tensor somewhere (:data:`amprewrite.runtime.model_watch`'s
+only after something registered a tensor somewhere (:data:`amprewrite.module.model_watch`'s
 stamp), since filling one goes through ``register_parameter``.
 """
 
@@ -155,7 +155,7 @@ class StateSnapshot:
     def slots_hold(self) -> bool:
         """Whether the tensor slots the capture found empty still are, and the ones it found
         filled still are, on modules of the same class (checked only after some tensor was
-        registered somewhere: :func:`amprewrite.runtime.model_watch.changes`)."""
+        registered somewhere: :func:`amprewrite.module.model_watch.changes`)."""
         return not any(map(operator.is_not, map(dict.get, self._slot_dicts, self._slot_keys),
                            [None] * len(self._slot_keys))) and not self._moved_slots()
 

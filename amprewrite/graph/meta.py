@@ -25,12 +25,14 @@ from ..policy.tables import OpCategory
 
 __all__ = ["META_KEY", "Decision", "CastInfo", "Fp8Step", "PendingSplit", "tensor_meta",
            "decision", "cast_info", "fp8_step", "pending_split", "RANGE_KEY",
-           "PIECES_KEY", "max_abs", "CONVERTED_KEY"]
+           "PIECES_KEY", "max_abs", "CONVERTED_KEY", "MODE_KEY"]
 
 META_KEY = "amprewrite"
 CONVERTED_KEY = "amprewrite_policy"
 """``gm.meta[CONVERTED_KEY]``: ``(policy, low dtype)``, set on every graph the passes
 converted (a module ``convert`` returns, each graph ``amprewrite.compile`` rewrote)."""
+MODE_KEY = "amprewrite_training"
+"""``gm.meta[MODE_KEY]``: the mode (``model.training``) a converted graph was captured in."""
 RANGE_KEY = "amprewrite_max_abs"
 PIECES_KEY = "amprewrite_pieces"
 """``node.meta[PIECES_KEY]``: the op names of the decomposition of a composite op that

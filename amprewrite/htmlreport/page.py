@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from ..capture.modes import mode_name
+from ..module.modes import mode_name
 from ..explain import converted_graphs, explain_records
 from ..summary import policy_of
 from .assets import CSS, JS

@@ -6,7 +6,7 @@
 :class:`AmpPrecision` is ``Trainer``'s: at set-up it converts each direct child of the
 LightningModule that holds parameters (what ``training_step`` calls: ``self.net(x)``), in
 place, with ``capture="export"`` and no example inputs, so that each is captured at its
-first call from the batch it is given (:mod:`amprewrite.capture.first_call`; no batch
+first call from the batch it is given (:mod:`amprewrite.module.first_call`; no batch
 exists at set-up). The LightningModule's state dict keeps its keys, so checkpoints save and
 resume as without the plugin. Nothing is wrapped in ``torch.autocast``: the casts are in the
 graphs. fp16 steps go through a ``torch.amp.GradScaler`` (unscaled before clipping,

@@ -42,7 +42,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from ..capture.calling import generated_code
+from ..module.calling import generated_code
 from ..convert import convert
 from ..passes.opt_levels import opt_level_of
 from ..policy.policy import default_low_dtype

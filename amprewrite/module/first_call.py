@@ -3,10 +3,10 @@
 ``convert(model, capture="export")`` without example inputs returns a module that holds no
 graph yet: trainers (a Lightning precision plugin, a framework's set-up code) hand a model
 over before any batch exists, while the export capture that real models need wants inputs.
-The first call captures the model from its own inputs (:meth:`CallGuard.follow
-<amprewrite.capture.variants.CallGuard.follow>`); a later call whose inputs the graph does
+The first call captures the model from its own inputs (:meth:`GraphCache.follow
+<amprewrite.module.cache.GraphCache.follow>`); a later call whose inputs the graph does
 not fit (another dtype, rank or fixed size) captures again for them, bounded and with a
-warning (:meth:`CallGuard.refit <amprewrite.capture.variants.CallGuard.refit>`).
+warning (:meth:`GraphCache.refit <amprewrite.module.cache.GraphCache.refit>`).
 
 Until then the module is a placeholder (:func:`placeholder_module`) that is already the
 model for everything but computing: it holds the model's own submodules and root tensors, so

@@ -38,10 +38,8 @@ from torch.utils.hooks import RemovableHandle
 
 from ..errors import user_stacklevel
 
-__all__ = ["ModelWatch", "WATCH_ATTR", "watch_model", "share_tensor_dicts", "changes",
+__all__ = ["ModelWatch", "watch_model", "share_tensor_dicts", "changes",
            "report_global_hooks", "own_global_hooks"]
-
-WATCH_ATTR = "_amp_model_watch"
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
@@ -93,7 +91,7 @@ class ModelWatch:
         self._stamp = changes()
 
     def check(self) -> None:
-        """Run at the start of each call of the converted module (:mod:`amprewrite.capture.calling`)."""
+        """Run at the start of each call of the converted module (:mod:`amprewrite.module.calling`)."""
         stamp = changes()
         if stamp == self._stamp:
             return
@@ -211,20 +209,19 @@ def share_tensor_dicts(gm: nn.Module, model: nn.Module) -> int:
         for kind in _TENSOR_DICTS:
             module.__dict__[kind] = theirs.__dict__[kind]
         shared += 1
-    return shared  # NB: the caller points the weight tables at the new dicts (relink_modes)
+    return shared  # NB: the caller points the weight tables at the new dicts (relink_graph)
 
 
 def _subset(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:
     return all(name in theirs and theirs[name] is tensor for name, tensor in ours.items())
 
 
-def watch_model(gm: nn.Module, model: nn.Module) -> None:
-    """Give ``gm`` a :class:`ModelWatch` over ``model`` if they share any tensor."""
+def watch_model(gm: nn.Module, model: nn.Module) -> ModelWatch | None:
+    """A :class:`ModelWatch` of ``gm`` over ``model`` if they share any tensor."""
     if gm is model:
-        return
+        return None
     watch = ModelWatch(gm, model)
-    if watch._slots:
-        gm.__dict__[WATCH_ATTR] = watch
+    return watch if watch._slots else None
 
 
 _GLOBAL_HOOKS = ("forward_pre_hook", "forward_hook", "backward_pre_hook", "backward_hook")

@@ -15,13 +15,12 @@ puts the plain generated code back (:mod:`.codegen`). A deep copy keeps both: to
 ``__deepcopy__`` builds the copy through a new class and ``recompile()``, so the class's
 ``__deepcopy__`` finishes the copy as ``convert`` finished the original (:func:`finish`).
 
-**Modes.** ``train()`` (and so ``eval()``) makes the module hold the graph of its new mode
-(:func:`amprewrite.capture.modes.switch_graph`), capturing it at the first switch to it; the
-call checks once more, one tuple index, for a ``training`` flag set by hand.
-
-Each call first asks the module's :class:`~amprewrite.capture.variants.CallGuard` whether the
-graph it holds is still the one for its mode and the model's state (one check), and brings it up
-to date where not.
+**The cache.** Each call first asks the module's :class:`~amprewrite.module.cache.GraphCache`
+whether the guards of the graph it holds still hold (one check: mode, model state), and
+brings it up to date where not; a call its graph rejects for its inputs is captured again
+for them (:meth:`~amprewrite.module.cache.GraphCache.refit`). ``train()`` (and so
+``eval()``) makes the module hold the graph of its new mode, capturing it at the first switch
+to it (:meth:`~amprewrite.module.cache.GraphCache.switch`).
 
 Pickling (``torch.save(gm)``): torch.fx pickles a GraphModule as its generated code and
 traces that code again on load, with the tracer class the module names (``_tracer_cls``).
@@ -52,13 +51,13 @@ from ..errors import _OWN_DIRS, AmpRewriteError, AutocastOverrideWarning, user_s
 from ..graph.codegen import recompile_with_bindings
 from ..graph.inputs import input_mismatch
 from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
-from .guards import GUARDS_ATTR, InputGuards
+from ..capture.guards import GUARDS_ATTR, InputGuards
 from .isolation import CAPTURE_LOCK
 from .model_view import adopt_model
-from .modes import FORWARD_ATTR, MODES_ATTR, relink_modes, switch_graph
-from .symbolic import _AmpTracer
+from .cache import CACHE_KEY, SERVES_ATTR, RefitFailed
+from .sharing import FORWARD_ATTR, rebind_table
+from ..capture.symbolic import _AmpTracer
 from .first_call import NOT_CAPTURED_YET_KEY
-from .variants import GUARD_ATTR, RefitFailed
 
 __all__ = ["finish", "failure_context", "generated_code"]
 
@@ -66,17 +65,9 @@ __all__ = ["finish", "failure_context", "generated_code"]
 def finish(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm``'s code with proven bindings (:func:`recompile_with_bindings`), called through
     :func:`_converted_call`, and deep copies finished the same way. Its class is its own
-    (torch.fx makes one class per GraphModule), so no other module changes. The graph of
-    the other mode, if any, is finished too."""
-    for sibling in gm.__dict__.get(MODES_ATTR, ()):
-        if isinstance(sibling, fx.GraphModule):
-            _finish_one(sibling)
-    return _finish_one(gm)
-
-
-def _finish_one(gm: fx.GraphModule) -> fx.GraphModule:
+    (torch.fx makes one class per GraphModule), so no other module changes."""
     recompile_with_bindings(gm)
-    gm.__dict__.setdefault(MODES_ATTR, (None, None))
+    gm.__dict__.setdefault(SERVES_ATTR, (True, True))
     cls = type(gm)
     gm.__dict__[FORWARD_ATTR] = cls.forward
     cls.forward = _held_graph_forward(cls.forward)
@@ -98,7 +89,7 @@ def _held_graph_forward(generated: Any) -> Any:
         # folds is_compiling() and sees nothing else, and torch.export (compiling too) traces
         # a model that holds this module under its policy's autocast (an autocast preset).
         if not torch.compiler.is_compiling() and _any_autocast_enabled() \
-                and _AUTOCAST_WARNED_ATTR not in self.__dict__:
+                and not getattr(self.__dict__.get(CACHE_KEY), "autocast_warned", True):
             _warn_if_under_autocast(self, args, kwargs)
         return self.__dict__[FORWARD_ATTR](self, *args, **kwargs)
 
@@ -116,32 +107,32 @@ def generated_code(module: nn.Module) -> types.CodeType:
 def _train(self: fx.GraphModule, mode: bool = True) -> fx.GraphModule:
     leaving_training = self.training and not mode
     nn.Module.train(self, mode)
-    switch_graph(self, bool(mode))
-    guard = self.__dict__.get(GUARD_ATTR)
-    if guard is not None:
-        guard.switched(self)
-    cache = self.__dict__.get(CACHE_ATTR)
-    if leaving_training and isinstance(cache, WeightCastCache):
+    cache = self.__dict__.get(CACHE_KEY)
+    if cache is not None:
+        cache.switch(self, bool(mode))
+        cache.switched(self)
+    weights = self.__dict__.get(CACHE_ATTR)
+    if leaving_training and isinstance(weights, WeightCastCache):
         # NB: a fused optimizer (Trainer's default AdamW on CPU) updates the weights in place
         # without bumping their version counters, so the cast copies cached by an earlier
         # evaluation would look current; an evaluation after training casts them afresh.
-        cache.clear()
+        weights.clear()
     return self
 
 
 def _finished_copy(self: fx.GraphModule, memo: dict[int, Any]) -> fx.GraphModule:
     copied = fx.GraphModule.__deepcopy__(self, memo)
-    # NB: torch.fx builds the copy from the copied attributes its graph reads; the modes
-    # (whose siblings the memo already copied, and finished) are put back by hand.
-    copied.__dict__[MODES_ATTR] = copy.deepcopy(self.__dict__.get(MODES_ATTR, (None, None)),
-                                                memo)
-    if GUARD_ATTR in self.__dict__:
-        copied.__dict__[GUARD_ATTR] = copy.deepcopy(self.__dict__[GUARD_ATTR], memo)
-    relink_modes(copied)
-    _finish_one(copied)
-    model = getattr(copied.__dict__.get(GUARD_ATTR), "recapture", None)
-    if model is not None:  # the copy reads as its own copy of the model
-        adopt_model(copied, model.model, signature=False)
+    # NB: torch.fx builds the copy from the copied attributes its graph reads; the cache
+    # (whose entries the memo already copied, and finished) is put back by hand.
+    copied.__dict__[SERVES_ATTR] = self.__dict__.get(SERVES_ATTR, (True, True))
+    cache = self.__dict__.get(CACHE_KEY)
+    if cache is not None:
+        cache = copied.__dict__[CACHE_KEY] = copy.deepcopy(cache, memo)
+        cache.relink(copied)
+    rebind_table(copied)
+    finish(copied)
+    if cache is not None and cache.model is not None:  # reads as its own copy of the model
+        adopt_model(copied, cache.model, signature=False)
     signature = getattr(type(self).forward, "__signature__", None)
     if signature is not None:
         type(copied).forward.__signature__ = signature
@@ -164,9 +155,9 @@ def _reduce_converted(self: fx.GraphModule) -> Any:
         raise TypeError(_UNPICKLABLE)
     rebuild, (body, import_block) = _reduced_unchanged(self)
     body["_tracer_cls"], body["_tracer_extras"] = _AmpTracer, {}  # NB: module docstring
-    body.pop(MODES_ATTR, None)  # the other mode's graph, or what its capture needs: not saved
+    body.pop(SERVES_ATTR, None)
     body.pop(FORWARD_ATTR, None)  # generated code: the load generates it again
-    body.pop(GUARD_ATTR, None)  # other states' graphs and the model: not saved either
+    body.pop(CACHE_KEY, None)  # the other graphs and the model: not saved
     return _rebuild_in_saved_mode, (rebuild, body, import_block, self.training)
 
 
@@ -220,12 +211,12 @@ def _converted_call(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
     # is the mode's graph (None: it holds this mode's graph; an int index: Dynamo on torch
     # 2.11 cannot index a tuple with a bool).
     compiling = torch.compiler.is_compiling()
-    guard = None if compiling else self.__dict__.get(GUARD_ATTR)
+    guard = None if compiling else self.__dict__.get(CACHE_KEY)
     if guard is None and NOT_CAPTURED_YET_KEY in self.meta:
         _first_capture_outside(self, args, kwargs)  # compiled before any eager call
     elif guard is None:
-        if self._amp_by_mode[1 if self.training else 0] is not None:
-            switch_graph(self, self.training)
+        if not self.__dict__[SERVES_ATTR][1 if self.training else 0]:
+            self.__dict__[CACHE_KEY].switch(self, self.training)
     elif not guard.holds(self):
         with CAPTURE_LOCK.writing():  # NB: another thread may have followed meanwhile
             if not guard.holds(self):
@@ -247,10 +238,6 @@ _any_autocast_enabled = torch._C._is_any_autocast_enabled
 device type; tests/test_autocast_inside.py fails on a release without it."""
 
 
-_AUTOCAST_WARNED_ATTR = "_amp_autocast_warned"
-"""Set on a converted module once it has warned that it was called under autocast."""
-
-
 def _warn_if_under_autocast(self: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -> None:
     """An :class:`AutocastOverrideWarning`, once per module, when autocast is enabled for a
     device type the call's tensor inputs or the module's parameters are on."""
@@ -260,7 +247,7 @@ def _warn_if_under_autocast(self: fx.GraphModule, args: tuple, kwargs: dict[str,
     under = sorted(d for d in devices if torch.is_autocast_enabled(d))
     if not under:
         return  # autocast of another device type: it does not touch this module's ops
-    self.__dict__[_AUTOCAST_WARNED_ATTR] = True
+    self.__dict__[CACHE_KEY].autocast_warned = True
     device = under[0]
     low = str(torch.get_autocast_dtype(device)).replace("torch.", "")
     warnings.warn(
@@ -308,7 +295,7 @@ def _run(self: fx.GraphModule, guard: Any, args: tuple, kwargs: dict[str, Any]) 
 
 
 def _refit(self: fx.GraphModule, guard: Any, args: tuple, kwargs: dict[str, Any]) -> bool:
-    """The guard's :meth:`~.variants.CallGuard.refit`, as a capture: alone, after the calls
+    """The cache's :meth:`~.cache.GraphCache.refit`, as a capture: alone, after the calls
     of other threads (this thread's read is the only one it waits past)."""
     with CAPTURE_LOCK.writing():
         return guard.refit(self, args, kwargs)
@@ -319,7 +306,7 @@ def _first_capture_outside(gm: fx.GraphModule, args: tuple, kwargs: dict[str, An
     """The first capture of a module captured at its first call, when that call is compiled:
     run eagerly (a graph break, once), then the compiler traces the captured graph."""
     with CAPTURE_LOCK.writing():
-        gm.__dict__[GUARD_ATTR].follow(gm, args, kwargs)
+        gm.__dict__[CACHE_KEY].follow(gm, args, kwargs)
 
 
 def failure_context(exc: BaseException) -> str | None:

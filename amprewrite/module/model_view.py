@@ -29,7 +29,7 @@ from typing import Any
 import torch.fx as fx
 import torch.nn as nn
 
-from .variants import GUARD_ATTR
+from .cache import cache_of
 
 __all__ = ["adopt_model", "model_of"]
 
@@ -72,8 +72,7 @@ def adopt_signature(gm: fx.GraphModule, model: nn.Module) -> None:
 
 def model_of(gm: nn.Module) -> nn.Module:
     """The model ``gm`` was converted from (its capture recipe holds it)."""
-    recapture = getattr(gm.__dict__.get(GUARD_ATTR), "recapture", None)
-    model = getattr(recapture, "model", None)
+    model = getattr(cache_of(gm), "model", None)
     if model is None:
         raise AttributeError(f"this {type(gm).__name__} holds no model to read attributes from "
                              "(a copy loaded from a pickle)")

@@ -129,9 +129,10 @@ def convert(
     cache.watch = recapture.watch(gm)
     cache.attach(gm)
     if not is_converted(model):
-        # NB: the capture's signature stays: it names the example's inputs, which Trainer
-        # then passes (and no loss kwargs the example did not have)
-        adopt_model(gm, model, signature=False)
+        # NB: the model's signature, not the capture's (which names the example's inputs):
+        # Trainer reads it to pick the columns and whether to pass num_items_in_batch, and
+        # must treat the converted module as it treats the model
+        adopt_model(gm, model)
     return gm
 
 

@@ -319,7 +319,6 @@ def test_trainer_evaluation_of_a_model_with_dropout_matches_autocast(tmp_path: o
                                                            for k, v in ids.items()},
                                 policy=PRESET)
     assert cache_of(gm).pending_mode() is False  # captured at Trainer's eval
-    twin.accepts_loss_kwargs = False  # as the converted forward takes only its keywords
     losses = _trainer_eval_losses(gm, f"{tmp_path}/converted", bf16=False)
     assert cache_of(gm).mode_graphs(gm)  # dropout: a graph per mode
     expected = _trainer_eval_losses(twin, f"{tmp_path}/autocast", bf16=True)

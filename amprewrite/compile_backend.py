@@ -44,6 +44,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .compiled_view import view_of
 from .capture.checkpoints import inline_checkpoints, outline_checkpoints
 from .capture.graph_breaks import (ambient_autocast, regime_available, regime_of,
                                    restore_traced_dtypes, traced_output_dtypes, under_regime,
@@ -185,7 +186,10 @@ def compile(model: nn.Module, *, policy: Policy | None = None, dtype: torch.dtyp
 
     Module overrides of ``policy`` are checked against ``model.named_modules()`` here, so a
     misspelt name fails now rather than matching nothing. ``dynamic`` and ``fullgraph`` are
-    passed to ``torch.compile``. The backend is ``compiled.amprewrite_backend``; its
+    passed to ``torch.compile``. The compiled module reads as the model: its ``state_dict``
+    keys, its forward's signature, and the model's methods (``generate``), which run the
+    compiled forward (:mod:`amprewrite.compiled_view`). The backend is
+    ``compiled.amprewrite_backend``; its
     ``graphs`` fill in as the model runs. With a ``Policy.autocast(device, dtype)`` preset the
     compiled model is called inside that ``torch.autocast``, so the Python between its graphs
     runs as under eager autocast (:mod:`amprewrite.capture.graph_breaks`).
@@ -208,7 +212,7 @@ def compile(model: nn.Module, *, policy: Policy | None = None, dtype: torch.dtyp
         compiled.forward = under_regime(compiled.forward, regime)
     # NB: object.__setattr__, not setattr: the compiled wrapper forwards nn.Module attributes.
     object.__setattr__(compiled, "amprewrite_backend", amp)
-    return compiled
+    return view_of(compiled, model)
 
 
 def _check_module_overrides(model: nn.Module, policy: Policy) -> None:

@@ -11,7 +11,8 @@ Layers, lowest first (docs/how-it-works.md shows the same map)::
     module               the converted module after convert: its cache of graphs, its calls
     passes               the graph rewrite
     convert, options     the entry point that runs capture and passes; its options, checked
-    compile_backend      the torch.compile backend (runs the passes on Dynamo graphs)
+    compile_backend      the torch.compile backend (runs the passes on Dynamo graphs), and
+    compiled_view        the compiled module read as its model
     summary              the first lines of explain, audit and demo
     explain              the decisions of a converted graph, as a table
     audit, training      what ran and in which dtype; master weights, loss scaling, memory
@@ -40,7 +41,7 @@ LAYERS = [
     {"module"},
     {"passes"},
     {"convert", "options"},
-    {"compile_backend"},
+    {"compile_backend", "compiled_view"},
     {"summary", "code_view"},
     {"explain"},
     {"audit", "training"},

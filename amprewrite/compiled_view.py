@@ -12,7 +12,7 @@ model (``compiled.config``), but is a module of its own for the rest, which libr
 
 :func:`view_of` gives the compiled module its own subclass (no other module changes) with the
 model's names for tensors (``state_dict``, ``load_state_dict``, ``named_parameters``,
-``named_buffers``), the model's forward signature, and the methods and class attributes of the
+``named_buffers``, and a module holding it loads a checkpoint with the model's names), the model's forward signature, and the methods and class attributes of the
 model's class, which then run with the compiled module as ``self``: ``generate`` calls
 ``self(...)``, the compiled forward, for the prefill and every decode step.
 """
@@ -42,6 +42,7 @@ def view_of(compiled: nn.Module, model: nn.Module) -> nn.Module:
                     not (name.startswith("__") and name.endswith("__")):
                 namespace[name] = value
     compiled.__class__ = type(base.__name__, (base,), namespace)
+    compiled.register_load_state_dict_pre_hook(_model_keys_load)
     _adopt_signature(compiled, model)
     return compiled
 
@@ -77,6 +78,16 @@ def _named_parameters(self: nn.Module, prefix: str = "", recurse: bool = True,
 def _named_buffers(self: nn.Module, prefix: str = "", recurse: bool = True,
                    remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     return self._orig_mod.named_buffers(prefix, recurse, remove_duplicate)
+
+
+def _model_keys_load(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                     *args: Any) -> None:
+    """Loading a module that holds the compiled one (a LightningModule's checkpoint): its
+    entries carry the model's names, which torch's recursion looks for under
+    ``_orig_mod.``; renamed in place (a key already under ``_orig_mod.`` stays)."""
+    inner = prefix + "_orig_mod."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
 _NAMES = {"state_dict": _state_dict, "load_state_dict": _load_state_dict,

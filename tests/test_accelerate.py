@@ -183,10 +183,12 @@ class _Sequence(torch.nn.Module):
                                labels.flatten())
 
 
-def test_variable_lengths_keyword_calls_match_accelerates_bf16_bitwise() -> None:
+@pytest.mark.parametrize("route", ["convert", "compile"])
+def test_variable_lengths_keyword_calls_match_accelerates_bf16_bitwise(route: str) -> None:
     """``model(**batch)`` on batches of another length each step, and a partial last batch,
-    through a real ``Accelerator``: the converted module (first-call capture) loses what the
-    model loses under ``mixed_precision="bf16"``, step for step."""
+    through a real ``Accelerator``: the converted module (first-call capture) or the module of
+    ``amprewrite.compile`` loses what the model loses under ``mixed_precision="bf16"``, step
+    for step."""
     def batches() -> list[dict[str, torch.Tensor]]:
         out = []
         for i, (rows, length) in enumerate([(4, 5), (4, 9), (4, 7), (4, 12), (2, 6)]):
@@ -201,8 +203,12 @@ def test_variable_lengths_keyword_calls_match_accelerates_bf16_bitwise() -> None
         GradientState._reset_state()
         torch.manual_seed(0)
         model = _Sequence()
-        module = amprewrite.convert(model, capture="export", policy=PRESET) if converted \
-            else model
+        module = model
+        if converted and route == "convert":
+            module = amprewrite.convert(model, capture="export", policy=PRESET)
+        elif converted:
+            torch._dynamo.reset()
+            module = amprewrite.compile(model, policy=PRESET, eager=True)
         accelerator = accelerate.Accelerator(cpu=True,
                                              mixed_precision="no" if converted else "bf16")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

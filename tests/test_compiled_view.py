@@ -40,6 +40,10 @@ def test_names_and_signature_are_the_models() -> None:
     compiled.load_state_dict(state)  # the model's keys load
     assert torch.equal(model.model.norm.weight, state["model.norm.weight"])
     assert compiled.config is model.config  # what torch.compile's module already forwards
+    holder = torch.nn.ModuleDict({"lm": compiled})  # a LightningModule holding it
+    assert list(holder.state_dict()) == [f"lm.{k}" for k in model.state_dict()]
+    holder.load_state_dict({f"lm.{k}": v - 1 for k, v in state.items()})  # its checkpoint
+    assert torch.equal(model.model.norm.weight, state["model.norm.weight"] - 1)
 
 
 def test_generate_runs_the_compiled_forward_and_gives_eager_autocasts_tokens() -> None:

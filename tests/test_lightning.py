@@ -250,3 +250,24 @@ def test_keyword_calls_with_a_new_length_every_step_match_bf16_mixed_bitwise() -
     recaptures = [w for w in runs[0] if issubclass(w.category, amprewrite.RecaptureWarning)]
     assert len(recaptures) == 1, [str(w.message) for w in recaptures]
     assert not [w for w in runs[0] if "eval mode" in str(w.message)]
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_the_same_loop_with_the_model_under_amprewrite_compile() -> None:
+    """The ``training_step`` calls ``amprewrite.compile(model)`` (Dynamo's guards and
+    automatic dynamic sizes) with keywords, a new length every step, under Lightning's fp32
+    precision: the losses are ``bf16-mixed``'s on the eager model, step for step."""
+    ours, theirs = TokenTagger(), TokenTagger()
+    ours.model = amprewrite.compile(ours.model, policy=amprewrite.Policy.autocast("cpu", bf16),
+                                    eager=True)
+    for module, precision in ((ours, "32-true"), (theirs, "bf16-mixed")):
+        L.seed_everything(0, verbose=False)
+        run = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, precision=precision)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run.fit(module, torch.utils.data.DataLoader(_ragged(), batch_size=None))
+    assert len(ours.losses) == 6
+    assert torch.equal(torch.stack(ours.losses), torch.stack(theirs.losses))
+    assert list(ours.state_dict()) == list(theirs.state_dict())  # the model's keys

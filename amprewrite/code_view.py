@@ -3,8 +3,8 @@ which dtype each produces (for the CLI's marked code and the HTML report's colou
 
 ::
 
-    linear = torch.ops.aten.linear.default(x_bf16, w_bf16)
-    x_bf16 = torch.ops.aten._to_copy.default(x, dtype = torch.bfloat16)  # cast
+    x_bf16 = x.bfloat16()  # bf16[2, 8]  # cast
+    linear = torch.nn.functional.linear(x_bf16, w_bf16)  # bf16[2, 16]
 """
 
 from __future__ import annotations
@@ -35,14 +35,23 @@ class CodeLine(NamedTuple):
 
 
 def code_lines(gm: fx.GraphModule) -> list[CodeLine]:
-    """The lines of ``gm.code`` (blank lines dropped), each with its node facts."""
-    nodes = {n.name: n for n in gm.graph.nodes}
+    """The lines of ``gm.code`` (blank lines dropped), each with its node facts: the node
+    whose code the line is part of (torch.fx's line map, ``gm._lineno_map``: a statement
+    wrapped over several lines is one node's, the weight read is the fetch node's), else the
+    node the line assigns."""
+    nodes = list(gm.graph.nodes)
+    by_name = {n.name: n for n in nodes}
+    lines = getattr(gm, "_lineno_map", None) or {}
+    start = getattr(gm, "_prologue_start", 0)
     out = []
-    for text in gm.code.strip("\n").splitlines():
+    for number, text in enumerate(gm.code.splitlines(), start=1):
         if not text.strip():
             continue
-        match = _ASSIGNED.match(text)
-        node = nodes.get(match.group(1)) if match else None
+        index = lines.get(number - start)
+        node = nodes[index] if index is not None and index < len(nodes) else None
+        if node is None:
+            match = _ASSIGNED.match(text)
+            node = by_name.get(match.group(1)) if match else None
         val = node.meta.get("val") if node is not None else None
         dtype = short_dtype(val.dtype) if isinstance(val, torch.Tensor) else None
         cast = node is not None and cast_info(node) is not None
@@ -53,7 +62,8 @@ def code_lines(gm: fx.GraphModule) -> list[CodeLine]:
 def marked_code(gm: fx.GraphModule, casts_only: bool = False, context: int = 1) -> str:
     """``gm.code`` with ``# cast`` after each cast line; ``casts_only``: only the cast lines
     and ``context`` lines around each, gaps shown as ``...``."""
-    lines = code_lines(gm)
+    # NB: of a cast's lines (a comment above it, a ``del`` after), the one assigning it
+    lines = [line._replace(cast=line.cast and _assigns(line)) for line in code_lines(gm)]
     keep = set(range(len(lines)))
     if casts_only:
         keep = {j for i, line in enumerate(lines) if line.cast
@@ -67,3 +77,8 @@ def marked_code(gm: fx.GraphModule, casts_only: bool = False, context: int = 1) 
         out.append(line.text + (CAST_MARK if line.cast else ""))
         last = i
     return "\n".join(out)
+
+
+def _assigns(line: CodeLine) -> bool:
+    match = _ASSIGNED.match(line.text)
+    return match is not None and match.group(1) == line.node

@@ -125,8 +125,7 @@ def convert(
     gm = entries[0].holder  # not held yet: its own module
     assert gm is not None
     cache = GraphCache(recapture, options.on_change)
-    cache.start(gm, entries, "at conversion")
-    cache.watch = recapture.watch(gm)
+    cache.start(gm, entries, "at conversion", recapture.watch(gm))
     cache.attach(gm)
     if not is_converted(model):
         # NB: the model's signature, not the capture's (which names the example's inputs):

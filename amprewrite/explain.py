@@ -36,7 +36,7 @@ from .module.cache import cache_of
 from .module.modes import NOT_CAPTURED_KEY, mode_name
 from .compile_backend import AmpBackend
 from .graph.meta import META_KEY, cast_info, decision, fp8_step
-from .graph.queries import module_paths
+from .graph.queries import lifted_weight, lifted_weight_name, module_paths
 from .graph.subgraphs import nodes_with_bodies
 from .policy.tables import OpCategory
 from .summary import graph_facts, policy_of, precision_of, short_dtype, summary_lines
@@ -176,10 +176,14 @@ def explain_records(target: Any) -> list[dict[str, Any]]:
     ``"fp8"``); ``"facts"`` is
     :func:`amprewrite.summary.graph_facts`."""
     out = []
+    model = _compiled_model(target)
     for title, gm in converted_graphs(target):
         low = policy_of(gm)[1]  # type: ignore[index]  # converted_graphs checked it
         rows = _rows(gm, low)
         facts = graph_facts(gm)
+        if model is not None:  # a Dynamo graph: named after the model, weights by their names
+            facts["model"] = type(model).__name__
+            _name_lifted_casts(rows, gm, model)
         record = {"graph": title, "policy": facts["policy"], "low_dtype": facts["low_dtype"],
                   "hardware": facts["hardware"], "fast_low_dtype": facts["fast_low_dtype"],
                   "facts": facts, "nodes": rows, "summary": _summary(gm, rows)}
@@ -190,6 +194,32 @@ def explain_records(target: Any) -> list[dict[str, Any]]:
             record["not_captured_yet"] = mode_name(bool(cache.pending_mode()))
         out.append(record)
     return out
+
+
+def _compiled_model(target: Any) -> torch.nn.Module | None:
+    """The model behind a model from ``amprewrite.compile`` (``torch.compile``'s wrapper)."""
+    model = target.__dict__.get("_orig_mod") if hasattr(target, "__dict__") else None
+    if model is None and isinstance(target, torch.nn.Module):
+        model = target._modules.get("_orig_mod")
+    return model if isinstance(model, torch.nn.Module) else None
+
+
+def _name_lifted_casts(rows: list[dict[str, Any]], gm: fx.GraphModule,
+                       model: torch.nn.Module) -> None:
+    """Name each cast of a weight Dynamo lifted to an input as ``convert`` names it, after
+    the weight (``blocks_0_qkv_weight_bf16``, not
+    ``l_self_modules_blocks_modules_0_modules_qkv_parameters_weight__bf16``)."""
+    names = {}
+    for node in gm.graph.nodes:
+        source = node.all_input_nodes[0] if node.all_input_nodes else None
+        if cast_info(node) is None or not lifted_weight(source):
+            continue
+        qualified = lifted_weight_name(source, model)
+        if qualified is not None and node.name.startswith(source.name):
+            name = f"{qualified.replace('.', '_')}_{node.name[len(source.name):].lstrip('_')}"
+            names[node.name] = f"_{name}" if name[0].isdigit() else name  # as torch.fx names
+    for row in rows:
+        row["casts"] = [names.get(c, c) for c in row["casts"]]
 
 
 def _rows(gm: fx.GraphModule, low: torch.dtype) -> list[dict[str, Any]]:

@@ -30,6 +30,7 @@ from .cast_count import count_casts
 from .capture.converted import CONVERTED_KEY, MODEL_KEY
 from .capture.guards import is_input_guards
 from .graph.meta import cast_info, decision
+from .graph.queries import lifted_weight
 from .graph.subgraphs import nodes_with_bodies
 from .hardware import describe, model_device, slow_reason
 from .passes.opt_levels import OPT_LEVEL_KEY
@@ -84,12 +85,15 @@ def graph_facts(gm: fx.GraphModule) -> dict[str, Any]:
     device = model_device(gm, inputs, None)
     nodes = list(nodes_with_bodies(gm))
     ops = Counter(p for p in (precision_of(n, low) for n in nodes) if p is not None)
-    casts = [info for info in map(cast_info, nodes) if info is not None]
+    # A cast of a weight: of a get_attr tensor (convert) or of a parameter or buffer that
+    # Dynamo lifted to an input (amprewrite.compile)
+    casts = [info.weight or any(map(lifted_weight, n.all_input_nodes[:1]))
+             for n in nodes if (info := cast_info(n)) is not None]
     return {"model": gm.meta.get(MODEL_KEY, type(gm).__name__),
             "hardware": describe(device), "fast_low_dtype": slow_reason(device, low) is None,
             "policy": policy.summary(), "low_dtype": short_dtype(low),
             "ops": {k: ops.get(k, 0) for k in ("low", "fp32", "passthrough")},
-            "cast_nodes": len(casts), "weight_cast_nodes": sum(c.weight for c in casts)}
+            "cast_nodes": len(casts), "weight_cast_nodes": sum(casts)}
 
 
 def count_forward_casts(model: nn.Module, call: Callable[[], Any], inputs: tuple,

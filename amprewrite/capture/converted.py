@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
 from ..runtime.weight_table import ungather_weights
+from ..graph.codegen import plain_codegen
 from ..graph.meta import CONVERTED_KEY
 from .symbolic import unshare_leaf_modules
 
@@ -38,7 +39,9 @@ def capture_converted(gm: fx.GraphModule) -> fx.GraphModule:
     node's meta (a shallow copy), so decisions, regions and dtypes carry over.
     """
 
-    new = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    graph = copy.deepcopy(gm.graph)
+    plain_codegen(graph)  # the passes recompile with torch.fx's generator; finish sets ours
+    new = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
     ungather_weights(new, gm)  # the passes work on one get_attr and one cast node per weight
     if hasattr(new, CACHE_ATTR):
         setattr(new, CACHE_ATTR, WeightCastCache())  # copies of weights are per module

@@ -116,7 +116,7 @@ def _trace_patches(tracer: _AmpTracer) -> list[tuple[Any, str, Any]]:
         prefix = next(q for q, m in tracer.root.named_modules()
                       if m.__dict__.get(WEIGHTS_ATTR) is table)
         out = []
-        for entry in entries:
+        for entry in entries or table.entries:  # the converted code names none: the table's
             path = f"{prefix}.{entry[0]}" if prefix else entry[0]
             read = tracer.create_proxy("get_attr", path, (), {})
             if len(entry) < 3:  # a plain read, or a parameter its cast node reads (_cast)

@@ -1,17 +1,13 @@
-"""Generated code that calls ATen ops through torch's Python bindings, not ``torch.ops``.
+"""The code generator of converted modules: ATen ops called through torch's Python bindings,
+not ``torch.ops``, in code laid out to be read.
 
-A captured graph calls ``torch.ops.aten.layer_norm.default(...)``: an ``OpOverload``, whose
-call parses its arguments against the JIT schema and costs 1.5-3 µs more than
-``torch.layer_norm(...)``, the generated binding eager code calls (measured on CPU, torch 2.13:
-6.1 against 3.2 µs; ``add`` 2.9 against 1.6). In a launch-bound model (many small ops: eager
-GPU training of small and medium models) that is a fifth of the forward.
-
-:func:`recompile_with_bindings` regenerates ``gm.forward`` with each such call replaced by
-the binding that runs the *same* ATen op: ``torch.<name>`` or ``torch._C._nn.<name>``, else
-the Tensor method (``x.view(...)``, ``x.expand(...)``: ops eager code calls only as methods).
-The graph keeps its ``OpOverload`` targets (every pass, ``explain`` and ``lint`` read those);
-only the generated code changes, so a later ``gm.recompile()`` gives the plain code back,
-equal in results.
+:func:`recompile_with_bindings` regenerates ``gm.forward`` with each ``torch.ops.aten`` call
+replaced by the binding of torch's Python API proven to run the *same* ATen op
+(:mod:`.bindings`: ``torch.layer_norm``, ``torch.nn.functional.linear``, ``x.view(...)``),
+laid out by :mod:`.layout`. The graph keeps its ``OpOverload`` targets (every pass,
+``explain`` and ``lint`` read those); only the generated code changes. The generator is the
+graph's own (``graph._codegen``), so ``gm.recompile()`` and ``gm.print_readable()`` write the
+same code; :func:`plain_codegen` gives torch.fx's back.
 
 Before::
 
@@ -20,18 +16,8 @@ Before::
 
 After::
 
-    layer_norm = torch.layer_norm(add, [8], w, b, 1e-05, False)
-    add = torch.add(view, layer_norm)
-
-**Same op, proven per signature.** A binding chooses an overload from its arguments' types,
-so a candidate is accepted only when, run on the node's example values (fake tensors), it
-dispatches exactly the ATen ops the ``OpOverload`` dispatches, with the same arguments
-(composite ops included: their decompositions are compared), and returns the same structure
-(a list and a tuple count as one where the graph only indexes the result: ``aten::split``
-gives a list, ``Tensor.split`` a tuple). The proof is cached by op and argument types.
-``aten::slice`` is generated as indexing (``x[..., 0:4]``, see :class:`_Index`). Nodes
-without example values (symbolic capture without inputs), mutating ops and ops of other
-namespaces keep their ``OpOverload``.
+    layer_norm = torch.layer_norm(add, [8], w, b, 1e-05, False)  # f32[s0, 8]
+    add = torch.add(view, layer_norm)  # f32[s0, 8]
 
 **Casts.** A cast node ``x.to(torch.bfloat16)`` is generated as ``x.bfloat16()``: the same
 op, without the overload resolution of ``Tensor.to`` (:data:`CAST_METHODS`). So is a
@@ -48,116 +34,165 @@ out where it is such an identity (:class:`_DirectArgumentsCodeGen`).
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import operator
-from typing import Any, Callable
+import warnings
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.fx.graph import _PyTreeCodeGen
-from torch.fx.node import map_aggregate
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._guards import detect_fake_mode
 
 from ..runtime.functions import CAST_METHODS
 from ..runtime.weight_cache import CACHE_ATTR
 from ..runtime.weight_table import handed_cast_dtype
-from .fake import graph_fake_mode
-from .queries import slice_args
+from .bindings import Index, Method, binding_for
+from .layout import WIDTH, CodeLayout
+from .wrapping import wrap
 
-__all__ = ["recompile_with_bindings"]
-
-# NB: not Tensor methods: a method descriptor rejects the proxies a tracer passes (the
-# symbolic tracer re-capturing a converted module), where these functions dispatch them.
-_NAMESPACES: tuple[Any, ...] = (torch._C._VariableFunctions, torch._C._nn)
-_PROVEN: dict[tuple[Any, ...], Callable[..., Any] | None] = {}
-"""(op, argument signature) -> the binding proven to run it, or None (none does)."""
-
-
-class _Method(str):
-    """A Tensor method binding, by name: the call is generated as ``x.view(...)``.
-
-    NB: as a method call of the node's first argument, never as the function
-    ``torch.Tensor.view``: a method descriptor rejects the proxies a tracer passes (the
-    symbolic tracer re-capturing a converted module), where a method call on a proxy records.
-    """
-
-    def __call__(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        return getattr(tensor, self)(*args, **kwargs)
-
-
-class _Index:
-    """The binding of ``aten::slice``: eager code slices by indexing, generated as
-    ``x[(slice(None, None, None), slice(0, 4, None))]`` (``x[:, 0:4]``) or, counted from the
-    end, ``x[(Ellipsis, slice(0, 4, None))]`` (``x[..., 0:4]``).
-
-    Indexing names the dimension by position, so it dispatches ``slice`` with the dimension
-    wrapped (``-1`` of a 4-d tensor as ``3``): the proof runs the ``OpOverload`` with the
-    same wrapped dimension, which is what ``aten::slice`` does with a negative one. Of the
-    two forms, the proof takes the one whose ``:`` fall on dimensions of known size (with
-    symbolic sizes a tracer cannot see that ``:`` takes all, and slices again)."""
-
-    def __init__(self, from_end: bool) -> None:
-        self.from_end = from_end
-
-    def __call__(self, tensor: Any, dim: int = 0, *bounds: Any) -> Any:
-        return tensor[self.index(dim % tensor.dim(), tensor.dim(), *bounds)]
-
-    def index(self, dim: int, ndim: int, start: Any = None, end: Any = None, step: Any = 1
-              ) -> tuple[Any, ...]:
-        """The index of a slice of dimension ``dim`` (not negative) of ``ndim``."""
-        cut = slice(start, end, None if step == 1 else step)
-        if self.from_end:
-            return (Ellipsis, cut) + (slice(None),) * (ndim - 1 - dim)
-        return (slice(None),) * dim + (cut,)
-
-    @staticmethod
-    def wrapped(node: fx.Node) -> tuple[Any, ...] | None:
-        """The node's arguments as indexing passes them: the dimension wrapped, the bounds'
-        defaults written out (:func:`slice_args`). None if they cannot be."""
-        args = slice_args(node)
-        val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
-        if args is None or not isinstance(val, torch.Tensor) or val.dim() == 0 or \
-                not isinstance(args[1], int):
-            return None
-        x, dim, *bounds = args
-        return (x, dim % val.dim(), *bounds)
-
-
-_INDEXES = (_Index(from_end=False), _Index(from_end=True))
+__all__ = ["recompile_with_bindings", "plain_codegen"]
 
 
 def recompile_with_bindings(gm: fx.GraphModule) -> fx.GraphModule:
-    """Regenerate ``gm``'s code with proven bindings in place of ``torch.ops.aten`` calls."""
-    swapped: list[tuple[fx.Node, str, Any, tuple, dict]] = []
-    mode = graph_fake_mode(gm)
-    for node in gm.graph.nodes:
+    """Give ``gm``'s graph the code generator of converted modules (proven bindings in place
+    of ``torch.ops.aten`` calls, the layout of :mod:`.layout`) and recompile it. The
+    generator stays the graph's: ``gm.recompile()`` and ``gm.print_readable()`` write the
+    same code. A graph with a code generator of its own (another library's) keeps it."""
+    readable = _readable_codegen(gm.graph._codegen)
+    if readable is not None:
+        gm.graph._codegen = readable
+    gm.recompile()
+    return gm
+
+
+def plain_codegen(graph: fx.Graph) -> None:
+    """Give ``graph`` torch.fx's own code generator back (a converted graph copied for the
+    passes, which work on torch.fx's code)."""
+    codegen = graph._codegen
+    if isinstance(codegen, _ReadableCode):
+        plain = object.__new__(_PyTreeCodeGen if isinstance(codegen, _PyTreeCodeGen)
+                               else fx.graph.CodeGen)
+        plain.__dict__.update(codegen.__dict__)
+        graph._codegen = plain
+
+
+class _ReadableCode:
+    """What the code generators of converted graphs add to torch.fx's: while the code is
+    generated, each node with a proven binding calls it (the graph keeps its
+    ``OpOverload``), and :class:`~.layout.CodeLayout` lays the text out. ``verbose``
+    (``print_readable``) writes the same code: its annotations are the layout's comments."""
+
+    _body_transformer: Any
+
+    def _gen_python_code(self, nodes: Any, root_module: str, namespace: Any,
+                         **kwargs: Any) -> Any:
+        if kwargs.get("record_func"):  # the profiler's markers around each node: torch.fx's
+            return super()._gen_python_code(  # type: ignore[misc]
+                nodes, root_module, namespace, **kwargs)
+        kwargs["verbose"] = False
+        order = list(nodes)
+        swapped, weight_casts, indexing = _swap_bindings(order)
+        previous = self._body_transformer
+        self._body_transformer = _Transformer(
+            CodeLayout(order, root_module, frozenset(weight_casts), namespace,
+                       frozenset(indexing)), previous)
+        try:
+            return super()._gen_python_code(  # type: ignore[misc]
+                nodes, root_module, namespace, **kwargs)
+        finally:
+            self._body_transformer = previous
+            for node, op, target, args, node_kwargs, kind in swapped:  # the graph keeps its ops
+                node.op, node.target, node.args, node.kwargs, node.type = \
+                    op, target, args, node_kwargs, kind
+
+
+    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str, *,
+                   expanded_def: bool = False) -> str:
+        """torch.fx's ``def forward(...):`` and argument bindings, each binding wrapped as
+        the body is (an exported forward's ``fx_pytree.tree_flatten_spec(...)``)."""
+        prologue = super().gen_fn_def(  # type: ignore[misc]
+            free_vars, maybe_return_annotation, expanded_def=expanded_def)
+        lines = []
+        for line in prologue.split("\n"):
+            body = line[4:] if line.startswith("    ") else None
+            lines += [f"    {part}" for part in wrap(body, WIDTH - 4)] \
+                if body is not None and len(line) > WIDTH else [line]
+        return "\n".join(lines)
+
+
+class _Transformer:
+    """The layout, then a body transformer set before (``graph.on_generate_code``); on a
+    failure of the layout, torch.fx's own text, with a warning."""
+
+    def __init__(self, layout: CodeLayout, then: Any) -> None:
+        self.layout, self.then = layout, then
+
+    def __call__(self, body: list[str]) -> list[str]:
+        try:
+            laid_out = self.layout(list(body))
+        except Exception as exc:  # never lose the code over its layout
+            warnings.warn(f"amprewrite: the converted code could not be laid out "
+                          f"({type(exc).__name__}: {exc}); gm.code shows torch.fx's layout, "
+                          "which runs the same", stacklevel=2)
+            laid_out = body
+        return self.then(laid_out) if self.then is not None else laid_out
+
+
+class _ReadableCodeGen(_ReadableCode, fx.graph.CodeGen):
+    pass
+
+
+def _readable_codegen(codegen: Any) -> Any:
+    """``codegen`` as the readable generator of its kind, sharing its state; None where it
+    is of a kind not known here."""
+    if isinstance(codegen, _ReadableCode):
+        return codegen
+    kind = {fx.graph.CodeGen: _ReadableCodeGen, _PyTreeCodeGen: _ReadablePyTreeCodeGen,
+            }.get(type(codegen))
+    if kind is None:
+        return None
+    readable = object.__new__(kind)
+    readable.__dict__.update(codegen.__dict__)
+    return readable
+
+
+def _swap_bindings(nodes: list[fx.Node]
+                   ) -> tuple[list[tuple[Any, ...]], set[fx.Node], set[fx.Node]]:
+    """Point each node with a proven binding at it; returns what to restore, the parameter
+    casts generated as the dtype's method (:func:`_cast_method`) and the slices generated
+    as indexing (:class:`_Index`)."""
+    swapped: list[tuple[fx.Node, str, Any, tuple, dict, Any]] = []
+    weight_casts: set[fx.Node] = set()
+    indexing: set[fx.Node] = set()
+    vals = [n.meta.get("val") for n in nodes if n.op == "placeholder"]
+    mode = detect_fake_mode(torch.utils._pytree.tree_leaves(vals))
+    for node in nodes:
         cast = _cast_method(node)
         if cast is not None:
-            swapped.append((node, node.op, node.target, node.args, node.kwargs))
+            if node.op == "call_method" and node.target == "cast":
+                weight_casts.add(node)
+            swapped.append((node, node.op, node.target, node.args, node.kwargs, node.type))
             node.op, node.target, node.args = "call_method", cast[0], (cast[1],)
             continue
-        binding = _binding_for(node, mode)
+        if node.type is not None and node.op in ("placeholder", "output"):
+            # NB: the symbolic tracer's annotations (``x : _torch_Tensor_``) say nothing the
+            # comments do not; the module's signature is the model's (model_view)
+            swapped.append((node, node.op, node.target, node.args, node.kwargs, node.type))
+            node.type = None
+            continue
+        binding = binding_for(node, mode)
         if binding is not None:
-            swapped.append((node, node.op, node.target, node.args, node.kwargs))
-            if isinstance(binding, _Method):
+            swapped.append((node, node.op, node.target, node.args, node.kwargs, node.type))
+            if isinstance(binding, Method):
                 node.op, node.target = "call_method", str(binding)
-            elif isinstance(binding, _Index):
-                x, dim, *bounds = _Index.wrapped(node)  # type: ignore[misc]
+            elif isinstance(binding, Index):
+                x, dim, *bounds = Index.wrapped(node)  # type: ignore[misc]
                 index = binding.index(dim, x.meta["val"].dim(), *bounds)
                 node.target, node.args = operator.getitem, (x, index)
+                indexing.add(node)
             else:
                 node.target = binding
-    codegen = gm.graph._codegen
-    if type(codegen) is _PyTreeCodeGen:
-        gm.graph._codegen = _DirectArgumentsCodeGen(codegen.pytree_info)
-    try:
-        gm.recompile()
-    finally:
-        gm.graph._codegen = codegen
-        for node, op, target, args, kwargs in swapped:  # the graph keeps its OpOverloads
-            node.op, node.target, node.args, node.kwargs = op, target, args, kwargs
-    return gm
+    return swapped, weight_casts, indexing
 
 
 class _DirectArgumentsCodeGen(_PyTreeCodeGen):
@@ -171,6 +206,10 @@ class _DirectArgumentsCodeGen(_PyTreeCodeGen):
         if list(fn_args) == names and _positional_leaves(self.pytree_info.in_spec, len(names)):
             return ""
         return super().gen_var_bindings(fn_args, free_vars, expanded_def)
+
+
+class _ReadablePyTreeCodeGen(_ReadableCode, _DirectArgumentsCodeGen):
+    pass
 
 
 def _positional_leaves(spec: Any, n: int) -> bool:
@@ -207,141 +246,3 @@ def _cast_method(node: fx.Node) -> tuple[str, fx.Node] | None:
         return None
     method = CAST_METHODS.get(dtype)
     return None if method is None else (method, x)
-
-
-def _binding_for(node: fx.Node, mode: Any) -> Callable[..., Any] | None:
-    op = node.target
-    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or \
-            op.namespace != "aten" or op._schema.is_mutable:
-        return None
-    values = [_value(a) for a in (*node.args, *node.kwargs.values())]
-    if any(v is _UNKNOWN for v in values):
-        return None
-    key: tuple[Any, ...] = (op, tuple(map(_signature, values)), tuple(node.kwargs))
-    if op is torch.ops.aten.slice.Tensor:
-        # Which indexing form is proven depends on the dimension and on which sizes are
-        # known (:class:`_Index`), not only on the argument types.
-        wrapped = _Index.wrapped(node)
-        key += (None,) if wrapped is None else (
-            wrapped[1], tuple(isinstance(s, int) for s in values[0].shape))
-    if key not in _PROVEN:
-        with mode if mode is not None else contextlib.nullcontext():
-            _PROVEN[key] = _prove(op, node)
-    return _PROVEN[key]
-
-
-class _Unknown:
-    pass
-
-
-_UNKNOWN = _Unknown()
-
-
-def _value(arg: Any) -> Any:
-    """The example value of an argument; ``_UNKNOWN`` if a node has none."""
-    def one(a: Any) -> Any:
-        if isinstance(a, fx.Node):
-            val = a.meta.get("val")
-            return _UNKNOWN if val is None else val
-        return a
-    out = map_aggregate(arg, one)
-    leaves = torch.utils._pytree.tree_leaves(out)
-    return _UNKNOWN if any(v is _UNKNOWN for v in leaves) else out
-
-
-def _signature(value: Any) -> Any:
-    """What a binding's overload choice can depend on: types, tensors' dtype and rank."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", value.dtype, value.dim(), value.device.type)
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(_signature(v) for v in value))
-    return type(value).__name__
-
-
-class _Dispatched(TorchDispatchMode):
-    """Records the ATen ops a call dispatches."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[Any] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is torch.ops.prim.device.default:  # a fake tensor's device query, not an op
-            return func(*args, **kwargs)
-        self.ops.append((func, torch.utils._pytree.tree_map(_described, (args, kwargs))))
-        return func(*args, **kwargs)
-
-
-def _described(value: Any) -> Any:
-    """An argument as the proof compares it: a tensor by its metadata, anything else as is."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", value.dtype, tuple(value.shape), value.stride(), value.device.type)
-    return value
-
-
-def _run(fn: Callable[..., Any], node: fx.Node, node_args: tuple | None = None
-         ) -> tuple[list[Any], Any]:
-    args, kwargs = map_aggregate((node.args if node_args is None else node_args, node.kwargs),
-                                 _value)
-    with _Dispatched() as seen:
-        out = fn(*args, **kwargs)
-    if isinstance(out, list) and all(u.target is operator.getitem for u in node.users):
-        # ``aten::split`` returns a list, ``torch.split`` a tuple: the same to a graph that
-        # only indexes the result.
-        out = tuple(out)
-    return seen.ops, torch.utils._pytree.tree_structure(out)
-
-
-def _nameable(binding: Any) -> bool:
-    """Whether the name generated code gives ``binding`` is ``binding``: ``torch.__and__``
-    has none, and ``torch.chain_matmul`` names the Python wrapper of
-    ``torch._C._VariableFunctions.chain_matmul``, whose arguments differ."""
-    try:
-        name = torch.fx.node._get_qualified_name(binding)
-        module, _, attr = name.rpartition(".")
-        return getattr(importlib.import_module(module), attr, None) is binding
-    except Exception:
-        return False
-
-
-def _prove(op: torch._ops.OpOverload, node: fx.Node) -> Callable[..., Any] | None:
-    if op is torch.ops.aten.slice.Tensor:
-        return _prove_index(op, node)
-    name = op._schema.name.split("::", 1)[1]
-    candidates: list[Callable[..., Any]] = [
-        getattr(ns, name) for ns in _NAMESPACES
-        if hasattr(ns, name) and _nameable(getattr(ns, name))]
-    # Ops that eager code calls as Tensor methods only (view, expand, contiguous, ...).
-    if hasattr(torch.Tensor, name) and node.args and isinstance(node.args[0], fx.Node):
-        candidates.append(_Method(name))
-    if not candidates:
-        return None
-    try:
-        expected = _run(op, node)
-    except Exception:  # cannot be run on its example values: keep the OpOverload
-        return None
-    for binding in candidates:
-        try:
-            if _run(binding, node) == expected:
-                return binding
-        except Exception:  # wrong arguments for this binding: try the next
-            continue
-    return None
-
-
-def _prove_index(op: torch._ops.OpOverload, node: fx.Node) -> _Index | None:
-    wrapped = _Index.wrapped(node)
-    if wrapped is None:
-        return None
-    try:
-        expected = _run(op, node, wrapped)
-    except Exception:  # cannot be run on its example values: keep the OpOverload
-        return None
-    for binding in _INDEXES:
-        try:
-            if _run(binding, node, wrapped) == expected:
-                return binding
-        except Exception:
-            continue
-    return None

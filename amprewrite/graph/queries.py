@@ -18,7 +18,8 @@ import torch.fx as fx
 from ..policy.opkey import is_inplace
 from ..runtime.functions import CAST_METHODS, guarded_cast
 
-__all__ = ["attr_at", "cast_source", "input_dtypes", "mutated", "module_paths", "slice_args"]
+__all__ = ["attr_at", "cast_source", "input_dtypes", "mutated", "module_paths", "slice_args",
+           "lifted_weight", "lifted_weight_name"]
 
 _METHOD_CASTS = {name: dtype for dtype, name in CAST_METHODS.items()}
 
@@ -172,3 +173,31 @@ def module_paths(node: fx.Node) -> list[str]:
     if node.op == "call_module":
         paths.append(str(node.target))
     return paths
+
+
+_LIFTED_WORDS = frozenset({"", "l", "g", "self", "fn", "modules", "parameters", "buffers"})
+"""The words of Dynamo's placeholder names that are not the qualified name's
+(``l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_``)."""
+
+
+def lifted_weight(node: Any) -> bool:
+    """Whether ``node`` is a placeholder that Dynamo lifted from a module's parameters or
+    buffers (the weights of a ``torch.compile`` graph arrive as inputs, not ``get_attr``)."""
+    if not isinstance(node, fx.Node) or node.op != "placeholder":
+        return False
+    kind = node.type
+    return isinstance(kind, type) and issubclass(kind, torch.nn.Parameter) or \
+        "_buffers_" in str(node.target)
+
+
+def lifted_weight_name(node: fx.Node, model: torch.nn.Module) -> str | None:
+    """The qualified name in ``model`` of the tensor a lifted placeholder is (its name's
+    words against each parameter's and buffer's), None where not exactly one matches."""
+    words = _words(str(node.target))
+    found = [q for q, _ in (*model.named_parameters(remove_duplicate=False),
+                            *model.named_buffers(remove_duplicate=False)) if _words(q) == words]
+    return found[0] if len(set(found)) == 1 else None
+
+
+def _words(name: str) -> tuple[str, ...]:
+    return tuple(w for w in re.split(r"[._]+", name.lower()) if w not in _LIFTED_WORDS)

@@ -192,9 +192,10 @@ class GraphCache:
                 and (snapshot is None or snapshot.holds()))
 
     # -- holding an entry ----------------------------------------------------------------------
-    def start(self, gm: fx.GraphModule, entries: list[Entry], why: str) -> None:
+    def start(self, gm: fx.GraphModule, entries: list[Entry], why: str,
+              watch: ModelWatch | None) -> None:
         """``gm`` is the first entry's module (a converted module made at conversion): hold
-        it, keep the others."""
+        it, keep the others; ``watch``: its watch over the model, made after its capture."""
         group = self._new_group()
         for entry in entries:
             entry.group, entry.why = group, entry.why or why
@@ -204,6 +205,8 @@ class GraphCache:
         for entry in entries[1:]:
             share_runtime(gm, entry.holder)
         self._held_changed(gm)
+        self.watch = watch
+        self.stamp = changes()  # NB: after the watch, whose first one registers hooks
 
     def _new_group(self) -> int:
         self._groups += 1

@@ -29,6 +29,10 @@ After::
     b_0_l_weight_bf16 = _amp_weight_cache.cast(b_0_l_weight, torch.bfloat16)
     linear = torch.ops.aten.linear.default(n_bf16, b_0_l_weight_bf16)
 
+(torch.fx's code of the graph; a converted module's code reads the items as one statement,
+``(b_0_l_weight, b_0_n_weight, ...) = self._amp_weights.fetch(cache=...)``, one name a
+line, and the cast as ``b_0_l_weight.bfloat16()``: :mod:`amprewrite.graph.layout`.)
+
 An entry is ``(name,)`` for a tensor read as it is stored, ``(name, dtype)`` for a parameter
 the forward casts to ``dtype`` (autograd-tracked in training, a cached copy in inference: see
 :mod:`amprewrite.runtime.weight_cache`) and ``(name, dtype, 'low copy')`` for an O2

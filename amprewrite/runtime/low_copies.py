@@ -1,10 +1,12 @@
 """Low-precision working copies of fp32 master weights (``opt_level="O2"``).
 
 An O2 module computes with fp16/bf16 weights while the fp32 master weights stay its
-parameters (shared with the user's model). The forward's weight read names them::
+parameters (shared with the user's model). The forward's weight read names them (entries
+``('fc1.weight', torch.float16, 'low copy')`` of the weight table)::
 
-    weights = _amp_weights.fetch(('fc1.weight', torch.float16, 'low copy'), ...,
-                                 store = _amp_low_copies)
+    (fc1_weight_f16,   # f16[16, 8] stored copy (O2)
+     ...
+    ) = self._amp_weights.fetch(store=self._amp_low_copies)
 
 and :meth:`LowPrecisionCopies.get_many` returns the stored low-precision copies. The copy is
 *stored*, not cast per forward (what O2 means: weights held in low precision).

@@ -2,16 +2,21 @@
 
 A converted forward starts with::
 
-    weights = _amp_weights.fetch(('b.0.l.weight', torch.bfloat16), ('b.0.n.weight',),
-                                 cache = _amp_weight_cache)
-    b_0_l_weight = weights[0]
-    b_0_n_weight = weights[1]
+    (b_0_l_weight,   # f32[8, 8] or its kept bf16 copy
+     b_0_n_weight,   # f32[8]
+    ) = self._amp_weights.fetch(cache=self._amp_weight_cache)
 
 and casts each parameter where it is used::
 
-    b_0_l_weight_bf16 = _amp_weight_cache.cast(b_0_l_weight, torch.bfloat16)
+    b_0_l_weight_bf16 = b_0_l_weight.bfloat16()  # bf16[8, 8] kept copy or autograd cast
 
-(generated as ``b_0_l_weight.bfloat16()``, the same thing here, :func:`handed_cast_dtype`).
+In the graph, that is a ``fetch`` node whose arguments are the entries,
+``weights = _amp_weights.fetch(('b.0.l.weight', torch.bfloat16), ('b.0.n.weight',),
+cache = _amp_weight_cache)`` (torch.fx's own code generator writes it so), an item node
+``weights[i]`` per entry, named after its tensor, and a cast node
+``_amp_weight_cache.cast(b_0_l_weight, torch.bfloat16)``, which the code calls as the dtype's
+method (the same thing here, :func:`handed_cast_dtype`); the layout is
+:mod:`amprewrite.graph.layout`.
 
 :class:`WeightTable` is the ``_amp_weights`` object: it reads each tensor through two dict
 lookups, looks up the cached copies of the parameter casts in batches (so that in inference
@@ -71,16 +76,18 @@ class WeightTable:
 
     def fetch(self, *entries: tuple[Any, ...], cache: WeightCastCache | None = None,
               store: LowPrecisionCopies | None = None) -> tuple[torch.Tensor, ...]:
-        """The tensors of ``entries`` (the table's own, repeated in the generated code so that
-        it shows them): for a parameter cast, the cached copy from ``cache`` where the cast
-        needs no gradient (:meth:`WeightCastCache.lookup_many`); O2 low copies from ``store``
-        (the module's own, passed by the graph so that copies of the module keep them)."""
-        if len(entries) != len(self.entries):
+        """The tensors of the table's entries: for a parameter cast, the cached copy from
+        ``cache`` where the cast needs no gradient (:meth:`WeightCastCache.lookup_many`); O2
+        low copies from ``store`` (the module's own, passed by the graph so that copies of
+        the module keep them). ``entries``: the entries the graph's fetch node names, which
+        torch.fx's own code generator passes (the converted code does not: it unpacks the
+        tensors by the names of the nodes that read them, :mod:`amprewrite.graph.layout`)."""
+        if entries and len(entries) != len(self.entries):
             raise AmpRewriteError(
                 f"the weight table of this module has {len(self.entries)} entries but the "
                 f"forward asks for {len(entries)}: the graph was edited after conversion. "
                 "Convert the model again.")
-        tensors: list[Any] = [None] * len(entries)
+        tensors: list[Any] = [None] * len(self.entries)
         for container, owner, items in self._groups:
             for i, attr in items:
                 value = container.get(attr)

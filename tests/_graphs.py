@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.fx as fx
 
@@ -25,3 +27,16 @@ def weight_casts(gm: fx.GraphModule) -> list[tuple[str, torch.dtype]]:
             else:  # an item of the gathered weight reads
                 out.append((read.args[0].args[1 + read.args[1]][0], node.args[2]))
     return out
+
+
+def one_line(code: str) -> str:
+    """Generated code with each statement on one line: the converted code wraps a long
+    statement between its arguments (:mod:`amprewrite.graph.layout`), which this joins."""
+    return re.sub(r"(?<=[(\[,])\n +", lambda m: "" if m.string[m.start() - 1] in "([" else " ",
+                  code)
+
+
+def weight_entries(gm: fx.GraphModule) -> list[tuple]:
+    """The entries of the forward's weight read: ``(name,)``, ``(name, dtype)`` for a
+    parameter cast to ``dtype``, ``(name, dtype, 'low copy')`` for an O2 stored copy."""
+    return [entry for node in gm.graph.nodes if is_fetch(node) for entry in node.args[1:]]

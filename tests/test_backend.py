@@ -363,6 +363,21 @@ def test_explain_a_compiled_model() -> None:
     assert "log_softmax  fp32 (dtype arg)" in text
 
 
+def test_explain_names_the_model_and_its_weights() -> None:
+    """Dynamo lifts the weights to inputs: explain still names the model, counts the weight
+    casts and names each after its weight, as for a converted module."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))
+    compiled = amprewrite.compile(model, eager=True)
+    compiled(X)
+    text = amprewrite.explain(compiled)
+    assert "model: Sequential\n" in text
+    assert "casts: 6 cast nodes, 4 of weights " in text
+    assert "_0_weight_bf16, _0_bias_bf16" in text and "_2_weight_bf16, _2_bias_bf16" in text
+    assert "parameters" not in text and "l_fn" not in text
+    converted = amprewrite.explain(amprewrite.convert(model, (X,)))
+    assert "_0_weight_bf16, _0_bias_bf16" in converted and "4 of weights" in converted
+
+
 def test_warns_under_an_outer_autocast() -> None:
     compiled = amprewrite.compile(SelfAutocast(), eager=True)
     with pytest.warns(UserWarning, match=r"torch.autocast\('cpu'\) is active around"), \

@@ -18,6 +18,7 @@ from .module.first_call import placeholder_module
 from .module.cache import CACHE_KEY, STATE_KEY, Entry, GraphCache
 from .module.modes import MODE_KEY, NOT_CAPTURED_KEY, in_mode, mode_name, not_captured_graph
 from .module.sharing import rebind_table, relink_graph, share_root_state, share_state
+from .module.tree import adopt_children, register_view
 from .module.isolation import CAPTURE_LOCK, outside_modes
 from .capture.logs import quiet_capture_logs
 from .capture.persistence import match_persistence
@@ -127,6 +128,8 @@ def convert(
     cache = GraphCache(recapture, options.on_change)
     cache.start(gm, entries, "at conversion", recapture.watch(gm))
     cache.attach(gm)
+    if recapture.view:
+        register_view(gm, model)
     if not is_converted(model):
         # NB: the model's signature, not the capture's (which names the example's inputs):
         # Trainer reads it to pick the columns and whether to pass num_items_in_batch, and
@@ -146,6 +149,8 @@ def _placeholder(model: nn.Module, options: ConvertOptions, recapture: _Recaptur
         meta[OPT_LEVEL_KEY] = OptLevel(level, None if level == "O0" else low)
     gm = finish(placeholder_module(model, meta, o2=level == "O2"))
     GraphCache(recapture, options.on_change, first_call=True).attach(gm)
+    if recapture.view:
+        register_view(gm, model)
     adopt_model(gm, model)  # ``(*args, **kwargs)`` until then: the model's signature
     return gm
 
@@ -163,6 +168,9 @@ class _Recapture:
         self.can_recapture = not is_converted(model)
         """A converted module converted again captures its other mode only: its model's
         state is the converted module's graph."""
+        self.view = self.can_recapture and options.opt_level != "O3"
+        """Whether the converted module's children are the model's (:mod:`.module.tree`):
+        not for O3, which runs on low-precision copies of its own."""
 
     def __call__(self, gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any],
                  varying: DynamicDims = frozenset()) -> list[Entry]:
@@ -185,6 +193,9 @@ class _Recapture:
             core = entries[0].holder
             if self.options.opt_level != "O3":  # O3 runs on its own copy: nothing shared
                 share_tensor_dicts(core, model)
+                if self.view:
+                    for entry in entries:  # the model's own children, in every graph
+                        adopt_children(entry.holder, model)
                 for entry in entries[1:]:  # the weight tables read the shared dicts
                     relink_graph(core, entry.holder)
                 rebind_table(core)
@@ -211,6 +222,9 @@ class _Recapture:
             return None
         if NOT_CAPTURED_KEY not in other.meta:
             _record_inputs(other, like.source, *like.inputs, self.options.capture)
+        if self.view:
+            adopt_children(other, self.model)
+            rebind_table(other)  # its weights read through the model's modules
         return Entry(finish(other), (training,), like.source, like.inputs, like.varying)
 
     def watch(self, gm: fx.GraphModule) -> ModelWatch | None:

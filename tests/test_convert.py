@@ -166,11 +166,14 @@ def test_state_dict_has_the_models_keys_only(capture: str, opt_level: str) -> No
     assert set(again.state_dict()) == set(model.state_dict())
 
 
-def test_eval_on_converted_module_keeps_model_training_flag() -> None:
+def test_eval_on_converted_module_switches_the_models_flags() -> None:
+    """The converted module's submodules are the model's: ``gm.eval()`` switches them, as
+    ``torch.compile``'s module switches its model."""
     model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
     gm = amprewrite.convert(model)
     gm.eval()
-    assert model.training and model[1].training
+    assert not model.training and not model[1].training
+    assert gm.get_submodule("0") is model[0]  # (a layer kept whole runs a copy: its mode)
     assert not gm.training
     x = torch.randn(4, 8)
     with torch.no_grad():

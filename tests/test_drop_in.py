@@ -401,9 +401,10 @@ def test_hf_generate_with_a_kv_cache_runs_the_converted_forward() -> None:
 
 def test_the_mode_follows_the_models_switches() -> None:
     """``model.eval()`` / ``model.train()`` switch the converted module at its next call, as
-    ``gm.eval()`` / ``gm.train()`` do; ``gm.eval()`` leaves the model's flags as they are
-    (the user's model is not changed), and a flag set on the converted module alone (as
-    Lightning restores flags) stays its own until the model switches again."""
+    ``gm.eval()`` / ``gm.train()`` do; ``gm.eval()`` switches the model too, whose modules are
+    the converted module's (as ``torch.compile``'s module switches its model), and a flag set
+    on the converted module alone (as Lightning restores flags) stays its own until the model
+    switches again."""
     torch.manual_seed(0)
     model, x = CNN().train(), torch.randn(4, 3, 8, 8)
     gm = amprewrite.convert(model, (x,), policy=PRESET)
@@ -415,7 +416,7 @@ def test_the_mode_follows_the_models_switches() -> None:
     gm(x)
     assert gm.training and not torch.equal(model.bn.running_mean, before)  # batch statistics
     gm.eval()
-    assert model.training and model.bn.training
+    assert not model.training and not model.bn.training and gm.bn is model.bn
     gm.training = True  # set by hand, as Lightning restores flags
     gm(x)
     assert gm.training

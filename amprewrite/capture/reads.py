@@ -42,6 +42,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
+from ..graph.meta import CONVERTED_KEY
+
 __all__ = ["Reads", "recording_reads", "is_config", "restore_classes", "note_leaf_modules",
            "restore_writes"]
 
@@ -58,11 +60,28 @@ Slot = tuple[Any, str, str]
 or one of a module's tables (``"_modules"``, ``"_parameters"``, ``"_buffers"``)."""
 
 
+def _own_modules(model: nn.Module) -> Iterator[nn.Module]:
+    """``model.modules()``, but not below a converted module inside it: its submodules are its
+    own model's (:mod:`amprewrite.module.tree`), whose state its own cache guards, and whose
+    classes must stay as they are while that cache checks them at the call."""
+    seen: set[int] = set()
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        yield module
+        if module is not model and CONVERTED_KEY in getattr(module, "meta", {}):
+            continue
+        stack.extend(reversed([m for m in module._modules.values() if m is not None]))
+
+
 class Reads:
     """The reads of one capture, each place once (keyed by the owner's identity)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.owners: dict[int, nn.Module] = {id(m): m for m in model.modules()}
+        self.owners: dict[int, nn.Module] = {id(m): m for m in _own_modules(model)}
         self.values: dict[tuple[int, str, str], Slot] = {}
         """Found: an attribute in ``__dict__``, a submodule in ``_modules``."""
         self.absent: dict[tuple[int, str, str], Slot] = {}

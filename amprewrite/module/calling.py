@@ -54,6 +54,7 @@ from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
 from ..capture.guards import GUARDS_ATTR, InputGuards
 from .isolation import CAPTURE_LOCK
 from .model_view import adopt_model
+from .tree import adopt_children, is_view, register_view, trees, view_model
 from .cache import CACHE_KEY, SERVES_ATTR, RefitFailed
 from .sharing import FORWARD_ATTR, rebind_table
 from ..capture.symbolic import _AmpTracer
@@ -106,6 +107,9 @@ def generated_code(module: nn.Module) -> types.CodeType:
 
 def _train(self: fx.GraphModule, mode: bool = True) -> fx.GraphModule:
     leaving_training = self.training and not mode
+    model = view_model(self)
+    if model is not None:  # its children are the model's (.tree): the model's mode is its
+        model.train(mode)  # mode, as torch.compile's module sets its model's
     nn.Module.train(self, mode)
     cache = self.__dict__.get(CACHE_KEY)
     if cache is not None:
@@ -133,6 +137,11 @@ def _finished_copy(self: fx.GraphModule, memo: dict[int, Any]) -> fx.GraphModule
     finish(copied)
     if cache is not None and cache.model is not None:  # reads as its own copy of the model
         adopt_model(copied, cache.model, signature=False)
+        if is_view(self):  # and its children are that copy's
+            for tree in trees(copied):
+                adopt_children(tree, cache.model)
+                rebind_table(tree)
+            register_view(copied, cache.model)
     signature = getattr(type(self).forward, "__signature__", None)
     if signature is not None:
         type(copied).forward.__signature__ = signature

@@ -34,7 +34,7 @@ from ..runtime.weight_table import WEIGHTS_ATTR, WeightTable
 from ..capture.guards import InputGuards
 
 __all__ = ["FORWARD_ATTR", "share_state", "share_root_state", "share_runtime",
-           "exchange_graphs", "relink_graph"]
+           "exchange_graphs", "relink_graph", "mirrors"]
 
 FORWARD_ATTR = "_amp_forward"
 """``gm.__dict__[FORWARD_ATTR]``: the generated forward of the graph ``gm`` holds, which the
@@ -65,6 +65,9 @@ def share_state(main: fx.GraphModule, other: fx.GraphModule) -> None:
     own = {}
     for name, child in other._modules.items():
         held = main._modules.get(name)
+        if held is not None and held is not child and type(held) is not type(child) \
+                and mirrors(child, held):
+            continue  # ``main`` holds the model's own child (.tree): read it
         if held is None and _holds_state(child):
             main.add_module(name, child)
         elif held is None or (held is not child and not _merge(held, child)):
@@ -117,6 +120,22 @@ def _free_name(module: nn.Module, name: str) -> str:
     while hasattr(module, candidate):
         candidate, i = f"{name}_{i}", i + 1
     return candidate
+
+
+def mirrors(child: Any, model_child: nn.Module) -> bool:
+    """Whether ``child`` (a capture's module at a path) is a mirror of ``model_child``: plain
+    ``nn.Module`` objects (or the model's own modules) holding only ``model_child``'s tensors,
+    under the same names, so the model's module can stand for it. NB: not where it holds a
+    leaf module's copy that the graph calls (:func:`~amprewrite.capture.symbolic.
+    unshare_leaf_modules`), which runs in the converted module's mode, not the model's."""
+    if child is None or isinstance(child, (fx.GraphModule, InputGuards)):
+        return False
+    theirs = dict(model_child.named_modules(remove_duplicate=False))
+    if any(type(sub) is not nn.Module and theirs.get(path) is not sub
+           for path, sub in child.named_modules(remove_duplicate=False)):
+        return False
+    held = dict(_tensors(model_child))
+    return all(held.get(name) is tensor for name, tensor in _tensors(child))
 
 
 def _holds_state(module: nn.Module) -> bool:

@@ -1,0 +1,141 @@
+"""A converted module's submodules are its model's own, at every moment.
+
+A capture builds a module tree of its own: torch.fx's ``GraphModule(model, graph)`` and
+torch.export's unlifted module make a plain ``nn.Module`` per path, holding the model's
+tensors (*mirrors*). Whatever reads the converted module's tree then reads a copy of the
+model's as it was at the capture: ``gm.parameters()``, ``gm.state_dict()``,
+``gm.load_state_dict()``, ``gm.head``, ``named_modules()`` and ``isinstance`` checks on them.
+After ``model.head = nn.Linear(...)`` an optimizer built over ``gm.parameters()`` would train
+the old head, ``gm.state_dict()`` would save it, and a ``load_state_dict`` would load into it.
+
+:func:`adopt_children` makes the converted module's children the model's own child modules
+(every one, those the graph never reads included), where the capture's mirror holds nothing
+but the model's tensors, so every path below the root is the model's. One root-level change
+is left to follow: a child replaced or added on the model itself (``model.head = ...``),
+and a tensor replaced on its root. :func:`register_view` follows them when they happen,
+through torch's global registration hooks, in the converted module and in every graph its
+cache keeps (:mod:`.cache`): the graphs share one tree, the model's, so none of them can run
+on a tree the model no longer has.
+
+What a graph *computes* with is not read through this tree: its weight table binds the
+tensor dicts it was captured with (:mod:`amprewrite.runtime.weight_table`), and the cache's
+state guard captures again at the next call where a replaced submodule is read by the forward.
+So the tree is the view the model's users read, and the guard keeps the computation right.
+
+Before and after, for ``convert(model, (x,))`` of a model with ``fc`` and ``head``::
+
+    gm.head                   # before: Module() holding head.weight, head.bias
+    gm.head is model.head     # after: True
+    model.head = nn.Linear(16, 3); gm.head is model.head   # after: True, at once
+
+The root stays the converted module's: it holds the capture's constants and the graph's own
+modules (torch.export's input check ``_guards_fn``, sub-graphs), which are not the model's.
+Not followed: a child deleted from the model's root (``del model.head``: no hook runs), and
+children written on the converted module (``gm.head = ...``), which replace the view's only.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterator
+
+import torch.fx as fx
+import torch.nn as nn
+from torch.nn.modules.module import (register_module_buffer_registration_hook,
+                                     register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
+
+from .cache import cache_of
+from .sharing import mirrors
+
+__all__ = ["adopt_children", "register_view", "is_view",
+           "view_model", "trees"]
+
+_VIEWS: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[fx.GraphModule]]" = \
+    weakref.WeakKeyDictionary()
+"""model -> the converted modules that are views of it (both weakly: a view keeps its model
+alive through its cache, never the other way)."""
+
+_MODEL_OF: "weakref.WeakKeyDictionary[fx.GraphModule, weakref.ref]" = weakref.WeakKeyDictionary()
+
+_hooks_installed = [False]
+
+
+def adopt_children(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Make ``gm``'s children the model's (module docstring), in the model's order, then
+    ``gm``'s own: a graph's modules, and a mirror holding a tensor the model's child does not
+    (kept as the capture made it). Idempotent."""
+    own = {}
+    theirs = model._modules
+    for name, child in gm._modules.items():
+        model_child = theirs.get(name)
+        if child is model_child or (model_child is not None and mirrors(child, model_child)):
+            continue
+        own[name] = child
+    modules = {name: child for name, child in theirs.items() if name not in own}
+    modules.update(own)
+    gm.__dict__["_modules"] = modules
+
+
+def register_view(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Follow the model's root from now on (module docstring): ``gm``'s children are the
+    model's (:func:`adopt_children` was applied to every graph of its cache)."""
+    if not _hooks_installed[0]:
+        register_module_module_registration_hook(_child_registered)
+        register_module_parameter_registration_hook(_tensor_registered("_parameters"))
+        register_module_buffer_registration_hook(_tensor_registered("_buffers"))
+        _hooks_installed[0] = True
+    _VIEWS.setdefault(model, weakref.WeakSet()).add(gm)
+    _MODEL_OF[gm] = weakref.ref(model)
+
+
+def is_view(gm: nn.Module) -> bool:
+    """Whether ``gm`` follows a model's tree (:func:`register_view`)."""
+    return gm in _MODEL_OF if isinstance(gm, fx.GraphModule) else False
+
+
+def view_model(gm: nn.Module) -> nn.Module | None:
+    """The model ``gm`` is a view of, or None."""
+    ref = _MODEL_OF.get(gm) if isinstance(gm, fx.GraphModule) else None
+    return ref() if ref is not None else None
+
+
+def trees(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
+    """``gm`` and the module of every other graph its cache keeps."""
+    yield gm
+    cache = cache_of(gm)
+    for entry in cache.entries if cache is not None else ():
+        if entry.holder is not None and entry.holder is not gm:
+            yield entry.holder
+
+
+def _child_registered(module: nn.Module, name: str, child: Any) -> None:
+    """torch's hook, before ``module._modules[name] = child``: where ``module`` is a model
+    with views, each view's tree takes the new child where it held the model's old one."""
+    views = _VIEWS.get(module)
+    if not views:
+        return None
+    old = module._modules.get(name)
+    for gm in list(views):
+        for tree in trees(gm):
+            modules = tree._modules
+            if modules.get(name) is old:  # absent where the model adds a child
+                modules[name] = child
+    return None  # NB: a value would replace the child being registered
+
+
+def _tensor_registered(kind: str) -> Any:
+    def hook(module: nn.Module, name: str, tensor: Any) -> None:
+        """Before ``module.<kind>[name] = tensor``: a view holding the model's old tensor at
+        its root (the graphs share the root's dicts) takes the new one."""
+        views = _VIEWS.get(module)
+        if not views:
+            return None
+        old = getattr(module, kind).get(name)
+        for gm in list(views):
+            held = gm.__dict__[kind]
+            if name in held and held[name] is old and old is not None:
+                held[name] = tensor
+        return None
+
+    return hook

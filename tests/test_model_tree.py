@@ -1,0 +1,161 @@
+"""A converted module's submodules are its model's, at every moment (``amprewrite.module.tree``):
+what an optimizer, a checkpoint or a library reads from the converted module is what the model
+holds now, not what it held at the capture or at the last call. Compared with eager
+``torch.autocast`` under the CPU preset, bitwise."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import amprewrite
+from amprewrite import RecaptureWarning
+
+PRESET = amprewrite.Policy.autocast("cpu", torch.bfloat16)
+X = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU())
+        self.head = nn.Linear(16, 4)
+        self.scale = nn.Parameter(torch.ones(4))
+        self.act = nn.ReLU()  # holds no tensor: no capture makes a module for it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x)) * self.scale
+
+
+def _convert(model: nn.Module, route: str, **kw: object) -> torch.fx.GraphModule:
+    if route == "export":
+        return amprewrite.convert(model, (X,), policy=PRESET, **kw)
+    return amprewrite.convert(model, policy=PRESET, capture="symbolic", **kw)
+
+
+def _eager(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", torch.bfloat16):
+        return model(x)
+
+
+def _quiet_call(gm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RecaptureWarning)
+        return gm(x)
+
+
+ROUTES = ["export", "symbolic"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_the_children_and_tensors_are_the_models(route: str) -> None:
+    model = Net()
+    gm = _convert(model, route)
+    assert gm.body is model.body and gm.head is model.head and gm.act is model.act
+    assert gm.body[0] is model.body[0]
+    assert list(gm.state_dict()) == list(model.state_dict())
+    assert all(gm.state_dict(keep_vars=True)[k] is v
+               for k, v in model.state_dict(keep_vars=True).items())
+    mine = dict(gm.named_parameters())
+    assert {k: id(v) for k, v in mine.items()} == \
+        {k: id(v) for k, v in model.named_parameters()}
+    assert {type(m) for _, m in gm.named_modules() if m is not gm} >= {nn.Linear, nn.LayerNorm}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_head_replaced_before_the_optimizer_is_built_trains(route: str) -> None:
+    """The row of the drop-in issue: replace the head, build the optimizer over
+    ``gm.parameters()`` before any call, train: the new head trains, bitwise with eager."""
+    torch.manual_seed(0)
+    model = Net()
+    twin = copy.deepcopy(model)
+    gm = _convert(model, route)
+    model.head = nn.Linear(16, 3)
+    model.scale = nn.Parameter(torch.full((3,), 0.5))
+    twin.head = copy.deepcopy(model.head)
+    twin.scale = copy.deepcopy(model.scale)
+    assert gm.head is model.head and gm.scale is model.scale  # at once, before any call
+    assert gm.state_dict(keep_vars=True)["head.weight"] is model.head.weight
+    opt = torch.optim.SGD(gm.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    before = model.head.weight.detach().clone()
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        out, ref = _quiet_call(gm, x), _eager(twin, x)
+        assert out.shape == (4, 3) and torch.equal(out, ref), step
+        out.square().mean().backward()
+        ref.square().mean().backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert not torch.equal(model.head.weight, before)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_load_state_dict_reaches_the_models_new_head() -> None:
+    model = Net()
+    gm = _convert(model, "export")
+    model.head = nn.Linear(16, 4)
+    saved = {k: torch.full_like(v, 0.25) for k, v in model.state_dict().items()}
+    gm.load_state_dict(saved)
+    assert torch.equal(model.head.weight, saved["head.weight"])
+    assert torch.equal(gm(X), _eager(model, X))
+
+
+def test_a_child_added_to_the_model_is_the_converted_modules() -> None:
+    model = Net()
+    gm = _convert(model, "export")
+    model.extra = nn.Linear(2, 2)
+    assert gm.extra is model.extra
+    assert "extra.weight" in gm.state_dict()
+    assert any(p is model.extra.weight for p in gm.parameters())
+
+
+def test_every_kept_graph_reads_the_models_tree_when_its_state_returns() -> None:
+    """Replace the head (a new graph), put the old head back (the first graph again): each
+    call computes with the head the model holds, bitwise."""
+    model = Net()
+    gm = _convert(model, "export")
+    old, new = model.head, nn.Linear(16, 4)
+    for head in (new, old, new):
+        model.head = head
+        assert gm.head is head
+        assert torch.equal(_quiet_call(gm, X), _eager(model, X))
+    assert len(amprewrite.module.cache.cache_of(gm).entries) == 2
+
+
+def test_modes_are_the_models() -> None:
+    model = Net().train()
+    gm = _convert(model, "export")
+    gm.eval()
+    assert not model.training and not model.body[1].training
+    model.train()
+    _quiet_call(gm, X)
+    assert gm.training
+    model.body.eval()  # a submodule's flag is the converted module's submodule's
+    assert not gm.body.training
+
+
+def test_a_deep_copy_is_a_view_of_its_own_copy_of_the_model() -> None:
+    model = Net()
+    gm = _convert(model, "export")
+    twin = copy.deepcopy(gm)
+    assert twin.head is not model.head and isinstance(twin.head, nn.Linear)
+    assert torch.equal(twin(X), gm(X))
+    model.head = nn.Linear(16, 4)
+    assert twin.head is not model.head
+    with torch.no_grad():
+        twin.head.weight.zero_()
+    assert not torch.equal(model.head.weight, twin.head.weight)
+
+
+def test_o3_runs_on_copies_of_its_own() -> None:
+    model = Net()
+    gm = amprewrite.convert(model, (X,), opt_level="O3")
+    assert gm.head is not model.head
+    model.head = nn.Linear(16, 4)
+    assert gm.head is not model.head

@@ -82,7 +82,6 @@ class ConvertOptions:
                              "whose fp8 matmuls write bf16 and whose other ops run in bf16. Drop "
                              "dtype=...")
         if opt_level != "O0":
-            # NB: at the user's convert() call: here <- convert <- the user
-            warn_if_slow(model_device(model, example_inputs, example_kwargs), low, stacklevel=4)
+            warn_if_slow(model_device(model, example_inputs, example_kwargs), low)
         return cls(policy, low, capture, opt_level,
                    None if calibration is None else tuple(calibration), on_change)

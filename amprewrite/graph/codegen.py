@@ -43,6 +43,7 @@ import torch.fx as fx
 from torch.fx.graph import _PyTreeCodeGen
 from torch._guards import detect_fake_mode
 
+from ..errors import user_stacklevel
 from ..runtime.functions import CAST_METHODS
 from ..runtime.weight_cache import CACHE_ATTR
 from ..runtime.weight_table import handed_cast_dtype
@@ -133,7 +134,7 @@ class _Transformer:
         except Exception as exc:  # never lose the code over its layout
             warnings.warn(f"amprewrite: the converted code could not be laid out "
                           f"({type(exc).__name__}: {exc}); gm.code shows torch.fx's layout, "
-                          "which runs the same", stacklevel=2)
+                          "which runs the same", stacklevel=user_stacklevel())
             laid_out = body
         return self.then(laid_out) if self.then is not None else laid_out
 

@@ -363,6 +363,21 @@ def test_passes_report_unmodified_on_second_run() -> None:
         assert p(gm).modified is False, type(p).__name__
 
 
+def test_the_schedule_reports_unmodified_on_second_run() -> None:
+    from amprewrite.passes.pipeline import amp_passes, run_in_order, run_passes, speed_passes
+
+    model, x = MLP(), torch.randn(2, 8)
+    gm = amprewrite.convert(model, (x,), opt_level="O0")
+    assert run_in_order(speed_passes(), gm) is False
+    gm = amprewrite.convert(model, (x,))
+    policy, dtype = gm.meta["amprewrite_policy"]
+    assert run_in_order(amp_passes(policy, dtype), gm) is False
+    out = gm(x)
+    code = gm.code
+    run_passes(gm, policy, dtype)  # the whole schedule again: the same graph
+    assert gm.code == code and torch.equal(gm(x), out)
+
+
 def test_dynamic_shapes_fall_back_to_static_with_a_warning(monkeypatch) -> None:
     """Some ATen meta kernels reject symbolic sizes (swin's ``constant_pad_nd``): the passes
     then fail on the dynamic-shape capture, and convert exports again with static shapes."""

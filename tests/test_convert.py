@@ -465,3 +465,24 @@ def test_torch_export_never_sees_the_users_tensors(monkeypatch) -> None:
     assert len(seen) == 2 and seen[0] is not ids and seen[1] is not features
     assert seen[0].data_ptr() == ids.data_ptr() and seen[1].data_ptr() == features.data_ptr()
     assert seen[1].requires_grad and seen[1].is_leaf and vars(features) == {}
+
+
+def test_an_input_on_the_meta_device_is_named_with_the_fix() -> None:
+    """A meta input beside real weights (or real inputs beside a meta model) fails deep in a
+    layer ("Input type (float) and bias type (c10::BFloat16) ..."): convert names the input,
+    the devices and the fix instead."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    meta_x = torch.randn(1, 3, 8, 8, device="meta")
+    with pytest.raises(AmpRewriteError, match=r"example_inputs\[0\] is a torch.float32 tensor "
+                       r"of shape \(1, 3, 8, 8\) on the 'meta' device, but Sequential's "
+                       r"parameters and buffers are on cpu\..*torch.randn\(1, 3, 8, 8, "
+                       r"device='cpu'\)") as info:
+        amprewrite.convert(model, (meta_x,))
+    assert "control flow" not in str(info.value) and "bias type" not in str(info.value)
+    with pytest.raises(AmpRewriteError, match=r"example_kwargs\['input'\] is .* 'meta' device"):
+        amprewrite.convert(model, (), example_kwargs={"input": meta_x})
+    with pytest.raises(AmpRewriteError, match=r"on the 'cpu' device, but Sequential's "
+                       r"parameters and buffers are on meta\..*model.to_empty"):
+        amprewrite.convert(model.to("meta"), (torch.randn(1, 3, 8, 8),))
+    gm = amprewrite.convert(model, (meta_x,))  # all on meta: shapes and dtypes only
+    assert gm(meta_x).shape == (1, 4, 6, 6)

@@ -47,7 +47,7 @@ from ..errors import user_stacklevel
 from ..runtime.functions import CAST_METHODS
 from ..runtime.weight_cache import CACHE_ATTR
 from ..runtime.weight_table import handed_cast_dtype
-from .bindings import Index, Method, binding_for
+from .bindings import Index, Method, Subscript, binding_for
 from .layout import WIDTH, CodeLayout
 from .wrapping import wrap, wrap_def
 
@@ -207,6 +207,11 @@ def _swap_bindings(nodes: list[fx.Node], positional: bool = False
             elif isinstance(binding, Index):
                 x, dim, *bounds = Index.wrapped(node)  # type: ignore[misc]
                 index = binding.index(dim, x.meta["val"].dim(), *bounds)
+                node.target, node.args = operator.getitem, (x, index)
+                indexing.add(node)
+            elif isinstance(binding, Subscript):
+                x = node.args[0]
+                index = binding.index(Subscript.indices(node), x.meta["val"].dim())
                 node.target, node.args = operator.getitem, (x, index)
                 indexing.add(node)
             else:

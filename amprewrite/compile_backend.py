@@ -53,6 +53,7 @@ from .capture.own_autocast import describe_own_autocast_kernels, wrap_own_autoca
 from .capture.facts import GRAD_KEY, REGION_KEY, TRACED_IN_FP32, Region
 from .convert import resolve_dtype
 from .errors import user_stacklevel
+from .graph.codegen import recompile_with_bindings
 from .graph.meta import META_KEY, cast_info, decision
 from .hardware import model_device, warn_if_slow
 from .passes.pipeline import run_passes
@@ -102,6 +103,7 @@ class AmpBackend:
         outline_checkpoints(gm, checkpoints)
         self.graphs.append(gm)
         if self.eager:
+            _readable_code(gm, ambient)
             compiled: Callable = gm.forward
         else:
             from torch._inductor.compile_fx import compile_fx
@@ -110,6 +112,9 @@ class AmpBackend:
                 for device in ambient if in_regime else ():
                     stack.enter_context(torch.autocast(device, enabled=False))
                 compiled = compile_fx(gm, list(example_inputs))
+            # NB: after Inductor traced it: Inductor gets torch.fx's graph module as Dynamo
+            # made it; the readable code is what ``graphs[i]`` shows.
+            _readable_code(gm, ambient)
         return without_autocast(compiled, regime[0]) if in_regime else compiled
 
     def _rewrite(self, gm: fx.GraphModule, low: torch.dtype, ambient: dict[str, torch.dtype],
@@ -213,6 +218,40 @@ def compile(model: nn.Module, *, policy: Policy | None = None, dtype: torch.dtyp
     # NB: object.__setattr__, not setattr: the compiled wrapper forwards nn.Module attributes.
     object.__setattr__(compiled, "amprewrite_backend", amp)
     return view_of(compiled, model)
+
+
+def _readable_code(gm: fx.GraphModule, ambient: dict[str, torch.dtype]) -> None:
+    """``gm`` recompiled by the code generator of converted modules (proven bindings, the
+    layout of :mod:`amprewrite.graph.layout`): lines wrapped to the formatter's width, a
+    dtype and shape comment per floating value, ``print_readable()`` equal to ``gm.code``.
+    Dynamo calls a graph with positional arguments only, so its parameters take their
+    placeholders' names (``l_x_``, not ``L_x_`` and a line ``l_x_ = L_x_``).
+
+    Before::
+
+        def forward(self, L_self_modules_fc_parameters_weight_ : torch.nn.parameter.Parameter, L_x_ : torch.Tensor):
+            l_self_modules_fc_parameters_weight_ = L_self_modules_fc_parameters_weight_
+            l_x_ = L_x_
+            ...
+            linear = torch._C._nn.linear(l_x__bf16, l_self_modules_fc_parameters_weight__bf16);  l_x__bf16 = l_self_modules_fc_parameters_weight__bf16 = None
+
+    After::
+
+        def forward(self, l_self_modules_fc_parameters_weight_, l_x_):
+            ...
+            linear = torch.nn.functional.linear(l_x__bf16,  # bf16[2, 10]
+                                                l_self_modules_fc_parameters_weight__bf16)
+    """
+    with contextlib.ExitStack() as stack:
+        # NB: the proofs of the bindings run the ops on the graph's fake values, in their own
+        # mode and with autocast off, as the passes do (AmpBackend._rewrite).
+        stack.enter_context(torch._guards.tracing(None))
+        for device in ambient:
+            stack.enter_context(torch.autocast(device, enabled=False))
+        recompile_with_bindings(gm, positional=True)
+        for _, module in gm.named_modules():
+            if module is not gm and isinstance(module, fx.GraphModule):
+                recompile_with_bindings(module)  # a checkpoint's body
 
 
 def _check_module_overrides(model: nn.Module, policy: Policy) -> None:

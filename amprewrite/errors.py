@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import types
 import warnings
 
 import torch
@@ -16,11 +17,25 @@ _OWN_DIRS = (__file__.rsplit("/", 1)[0] + "/", torch.__file__.rsplit("/", 1)[0] 
 
 def user_stacklevel() -> int:
     """The ``stacklevel`` that makes a warning raised by the caller point at the innermost
-    frame outside amprewrite and torch: the user's line (``convert``, a call, ``train()``)."""
+    frame outside amprewrite and torch: the user's line (``convert``, a call, ``train()``,
+    ``import amprewrite``). The one way this package finds that line: every warning it gives
+    passes ``stacklevel=user_stacklevel()``.
+
+    NB: ``warnings.warn`` steps over the import machinery's frames without counting them
+    (``<frozen importlib._bootstrap>``), so they are not counted here either."""
     level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIRS):
-        frame, level = frame.f_back, level + 1
+    while frame is not None and (_import_frame(frame)
+                                 or frame.f_code.co_filename.startswith(_OWN_DIRS)):
+        frame = frame.f_back
+        if frame is not None and not _import_frame(frame):
+            level += 1
     return level
+
+
+def _import_frame(frame: types.FrameType) -> bool:
+    """Whether ``warnings.warn`` skips ``frame`` when it counts a ``stacklevel``."""
+    name = frame.f_code.co_filename
+    return "importlib" in name and "_bootstrap" in name
 
 
 class AmpRewriteError(RuntimeError):

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .errors import user_stacklevel
+
 __all__ = ["describe", "model_device", "slow_reason", "warn_if_slow"]
 
 _CUDA_MIN = {torch.float16: ((7, 0), "Volta"), torch.bfloat16: ((8, 0), "Ampere")}
@@ -103,16 +105,16 @@ def slow_reason(device: torch.device | str, dtype: torch.dtype) -> str | None:
     return None
 
 
-def warn_if_slow(device: torch.device | str, dtype: torch.dtype, stacklevel: int = 3) -> None:
-    """Warn once per process and (device, dtype) when ``dtype`` has no fast path there;
-    ``stacklevel`` as ``warnings.warn`` counts it from here (3: the caller's caller)."""
+def warn_if_slow(device: torch.device | str, dtype: torch.dtype) -> None:
+    """Warn once per process and (device, dtype) when ``dtype`` has no fast path there, at
+    the user's line (``convert``, ``amprewrite.compile``'s first call)."""
     reason = slow_reason(device, dtype)
     key = (describe(device), dtype)
     if reason is None or key in _WARNED:
         return
     _WARNED.add(key)
     warnings.warn(f"amprewrite.convert: {_short(dtype)} on {torch.device(device)}: {reason}.",
-                  stacklevel=stacklevel)
+                  stacklevel=user_stacklevel())
 
 
 def _short(dtype: torch.dtype) -> str:

@@ -14,13 +14,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .errors import AmpRewriteError
 from .module.cache import ON_CHANGE
 from .hardware import model_device, warn_if_slow
 from .passes.calibrate import CalibrationInput, check_calibrate
 from .passes.opt_levels import check_opt_level
 from .policy.policy import Policy, check_low_dtype, default_low_dtype
 
-__all__ = ["ConvertOptions", "CAPTURES", "resolve_dtype"]
+__all__ = ["ConvertOptions", "CAPTURES", "resolve_dtype", "check_meta_inputs"]
 
 CAPTURES = ("auto", "symbolic", "export")
 
@@ -63,6 +64,7 @@ class ConvertOptions:
         if example_kwargs is not None and not isinstance(example_kwargs, dict):
             raise TypeError(f"amprewrite.convert: example_kwargs must be a dict, got "
                             f"{type(example_kwargs).__name__}")
+        check_meta_inputs(model, example_inputs, example_kwargs)
         if capture not in CAPTURES:
             raise ValueError(f"amprewrite.convert: capture={capture!r} is unknown; expected one "
                              f"of {', '.join(map(repr, CAPTURES))}")
@@ -82,7 +84,45 @@ class ConvertOptions:
                              "whose fp8 matmuls write bf16 and whose other ops run in bf16. Drop "
                              "dtype=...")
         if opt_level != "O0":
-            # NB: at the user's convert() call: here <- convert <- the user
-            warn_if_slow(model_device(model, example_inputs, example_kwargs), low, stacklevel=4)
+            warn_if_slow(model_device(model, example_inputs, example_kwargs), low)
         return cls(policy, low, capture, opt_level,
                    None if calibration is None else tuple(calibration), on_change)
+
+
+def check_meta_inputs(model: nn.Module, example_inputs: tuple | None,
+                      example_kwargs: dict[str, Any] | None) -> None:
+    """Raise :class:`AmpRewriteError` where an example input is on the ``meta`` device and
+    the model's tensors are not, or the other way round: a capture would fail deep inside a
+    layer ("Input type (float) and bias type (c10::BFloat16) should be the same") with a
+    hint about control flow that does not apply. A model all on ``meta`` with meta inputs
+    converts (shapes and dtypes only)."""
+    state = [*model.parameters(), *model.buffers()]
+    on_meta = {t.is_meta for t in state}
+    if len(on_meta) != 1:
+        return  # no tensors, or a model partly on meta (materialized lazily): torch decides
+    model_meta = on_meta.pop()
+    leaves, _ = torch.utils._pytree.tree_flatten_with_path(
+        {"example_inputs": example_inputs or (), "example_kwargs": example_kwargs or {}})
+    for path, leaf in leaves:
+        if not isinstance(leaf, torch.Tensor) or leaf.is_meta is model_meta:
+            continue
+        where = torch.utils._pytree.keystr(path)[2:].replace("']", "", 1)
+        devices = sorted({str(t.device) for t in state})
+        name = type(model).__name__
+        what = (f"amprewrite.convert: {where} is a {leaf.dtype} tensor of shape "
+                f"{tuple(leaf.shape)} on the {str(leaf.device)!r} device, but {name}'s "
+                f"parameters and buffers are on {', '.join(devices)}. ")
+        if leaf.is_meta:
+            raise AmpRewriteError(
+                what + "A meta tensor has a shape and a dtype but no values, and the capture "
+                "runs the model's layers on the example inputs with its real weights. Pass "
+                f"example inputs with values on the model's device ({devices[0]}), e.g. "
+                f"torch.randn({', '.join(map(str, leaf.shape))}, device={devices[0]!r}) or a real "
+                "batch; or move the whole model to meta (model.to('meta')) to convert for "
+                "shapes and dtypes only.")
+        raise AmpRewriteError(
+            what + "The model holds no values (built under torch.device('meta') or "
+            "accelerate's init_empty_weights), so it cannot run on real inputs. Load its "
+            "weights first (model.to_empty(device='cpu') then model.load_state_dict(...)), "
+            "or pass example inputs on the meta device (x.to('meta')) to convert for shapes "
+            "and dtypes only.")

@@ -15,6 +15,8 @@ import warnings
 import torch
 from torch.torch_version import TorchVersion
 
+from .errors import user_stacklevel
+
 __all__ = ["TORCH_RANGE", "TRANSFORMERS_RANGE", "check_torch", "check_transformers"]
 
 TORCH_RANGE = ("2.11", "2.15")
@@ -30,19 +32,19 @@ def _outside(version: str, bounds: tuple[str, str]) -> bool:
     return not bounds[0] <= parsed < bounds[1]
 
 
-def _warn_once(package: str, version: str, bounds: tuple[str, str], stacklevel: int) -> None:
+def _warn_once(package: str, version: str, bounds: tuple[str, str]) -> None:
     if package in _warned or not _outside(version, bounds):
         return
     _warned.add(package)
     warnings.warn(
         f"amprewrite is tested with {package} >={bounds[0]},<{bounds[1]}; this is {package} "
         f"{version}. Conversion may fail or differ on it: install a {package} release in that "
-        f"range (pip install '{package}>={bounds[0]},<{bounds[1]}').", stacklevel=stacklevel)
+        f"range (pip install '{package}>={bounds[0]},<{bounds[1]}').", stacklevel=user_stacklevel())
 
 
 def check_torch() -> None:
     """Warn once if the installed torch is outside :data:`TORCH_RANGE`."""
-    _warn_once("torch", torch.__version__, TORCH_RANGE, stacklevel=4)
+    _warn_once("torch", torch.__version__, TORCH_RANGE)
 
 
 def check_transformers() -> None:
@@ -50,7 +52,7 @@ def check_transformers() -> None:
     module = sys.modules.get("transformers")
     version = getattr(module, "__version__", None)
     if isinstance(version, str):
-        _warn_once("transformers", version, TRANSFORMERS_RANGE, stacklevel=5)
+        _warn_once("transformers", version, TRANSFORMERS_RANGE)
 
 
 check_torch()  # on import: ``import amprewrite`` imports this module first

@@ -9,6 +9,8 @@ from typing import Callable
 import torch
 from _timing import CastCount
 
+from amprewrite.policy.policy import default_low_dtype
+
 VARIANTS = ("fp32", "autocast", "preset", "default", "O2", "O3", "cached")
 CONVERTED = ("preset", "default", "O2", "O3", "cached")
 SHORT = {"fp32": "fp32", "autocast": "ac", "preset": "pre", "default": "def", "O2": "O2",
@@ -40,7 +42,7 @@ def apply_machine_options(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("--device cuda: torch sees no CUDA device")
     if args.threads:
         torch.set_num_threads(args.threads)
-    return DTYPES[args.dtype or ("bf16" if args.device == "cpu" else "fp16")]
+    return DTYPES[args.dtype] if args.dtype else default_low_dtype(args.device)
 
 
 def key_list(text: str, allowed: tuple[str, ...], what: str) -> list[str]:

@@ -25,6 +25,7 @@ import torch.nn as nn
 from _speed_report import write_markdown
 
 import amprewrite
+from amprewrite.policy.policy import default_low_dtype
 
 
 
@@ -86,7 +87,7 @@ def main() -> None:
                         help="replace this device's audit block of BENCHMARKS.md with the results")
     args = parser.parse_args()
     torch.manual_seed(0)
-    dtype = torch.bfloat16 if args.device == "cpu" else torch.float16
+    dtype = default_low_dtype(args.device)
     low = "bf16" if dtype == torch.bfloat16 else "fp16"
     model = MLP(args.width, args.depth).to(args.device)
     x = torch.randn(args.batch, args.width, device=args.device)

@@ -29,7 +29,7 @@ def _converted(inputs: tuple | None = (X,)) -> fx.GraphModule:
     return amprewrite.convert(_net(), inputs, policy=amprewrite.Policy.autocast("cpu", BF16))
 
 
-def test_converted_modules_take_the_call_and_recompile_gives_fx_its_own_back() -> None:
+def test_converted_modules_take_the_call_and_recompile_keeps_it() -> None:
     gm = _converted()
     assert type(gm).__call__ is _converted_call
     other = _converted()
@@ -39,9 +39,38 @@ def test_converted_modules_take_the_call_and_recompile_gives_fx_its_own_back() -
         with torch.autocast("cpu", BF16):
             assert torch.equal(out, _net()(X))
         gm.recompile()
-        assert type(gm).__call__ is not _converted_call
+        assert type(gm).__call__ is _converted_call
         assert torch.equal(gm(X), out)
     assert type(other).__call__ is _converted_call
+
+
+def test_after_recompile_a_call_follows_weights_and_modes_and_the_code_stays() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 4))
+    gm = amprewrite.convert(model, (X,), policy=amprewrite.Policy.autocast("cpu", BF16))
+    gm.eval()
+    code = gm.code
+    with torch.no_grad():
+        before = gm(X)
+    gm.recompile()
+    assert gm.code == code
+    assert "def forward(self, input)" in str(gm.print_readable(print_output=False))
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # a weight change: the kept bf16 copy is made again
+        out = gm(X)
+        with torch.autocast("cpu", BF16):
+            assert torch.equal(out, model.eval()(X)) and not torch.equal(out, before)
+    gm.train()  # the training graph (dropout on), captured at this switch
+    torch.manual_seed(1)
+    out = gm(X)
+    torch.manual_seed(1)
+    with torch.autocast("cpu", BF16):
+        assert torch.equal(out, model.train()(X))
+    gm.recompile()
+    gm.eval()
+    assert gm.code == code
+    with torch.no_grad(), torch.autocast("cpu", BF16):
+        assert torch.equal(gm(X), model.eval()(X))
 
 
 def test_a_deep_copy_keeps_the_call_and_the_bindings() -> None:

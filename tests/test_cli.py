@@ -321,3 +321,33 @@ def test_example_factories_stay_runnable(capsys, monkeypatch: pytest.MonkeyPatch
     assert main(["explain", "examples.factories:mlp", "--json"]) == 0
     (graph,) = json.loads(capsys.readouterr().out)["explain"]
     assert graph["summary"]["per_dtype"] == {"bf16": 2, "f32": 2, "passthrough": 1}
+
+
+@pytest.mark.parametrize("command", ["demo", "explain", "audit", "lint", "compare", "search",
+                                     "memory"])
+def test_each_command_help_shows_an_example(command: str,
+                                            capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert f"example:\n  python -m amprewrite {command} " in out, out
+    if command != "demo":
+        assert "def tiny():" in out  # what a factory is
+
+
+def test_the_parser_imports_no_torch() -> None:
+    """``--help`` is answered by argparse alone: the parser module, loaded on its own,
+    imports nothing heavy."""
+    import amprewrite.cli.parser as parser_module
+
+    code = ("import importlib.util, sys\n"
+            f"spec = importlib.util.spec_from_file_location('p', {parser_module.__file__!r})\n"
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+            "m.build_parser().parse_args(['explain', 'x.py:f'])\n"
+            "print(sorted(n for n in sys.modules if n.split('.')[0] in "
+            "('torch', 'numpy', 'amprewrite')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -366,6 +366,21 @@ def test_passes_report_unmodified_on_second_run() -> None:
         assert p(gm).modified is False, type(p).__name__
 
 
+def test_the_schedule_reports_unmodified_on_second_run() -> None:
+    from amprewrite.passes.pipeline import amp_passes, run_in_order, run_passes, speed_passes
+
+    model, x = MLP(), torch.randn(2, 8)
+    gm = amprewrite.convert(model, (x,), opt_level="O0")
+    assert run_in_order(speed_passes(), gm) is False
+    gm = amprewrite.convert(model, (x,))
+    policy, dtype = gm.meta["amprewrite_policy"]
+    assert run_in_order(amp_passes(policy, dtype), gm) is False
+    out = gm(x)
+    code = gm.code
+    run_passes(gm, policy, dtype)  # the whole schedule again: the same graph
+    assert gm.code == code and torch.equal(gm(x), out)
+
+
 def test_dynamic_shapes_fall_back_to_static_with_a_warning(monkeypatch) -> None:
     """Some ATen meta kernels reject symbolic sizes (swin's ``constant_pad_nd``): the passes
     then fail on the dynamic-shape capture, and convert exports again with static shapes."""
@@ -453,3 +468,24 @@ def test_torch_export_never_sees_the_users_tensors(monkeypatch) -> None:
     assert len(seen) == 2 and seen[0] is not ids and seen[1] is not features
     assert seen[0].data_ptr() == ids.data_ptr() and seen[1].data_ptr() == features.data_ptr()
     assert seen[1].requires_grad and seen[1].is_leaf and vars(features) == {}
+
+
+def test_an_input_on_the_meta_device_is_named_with_the_fix() -> None:
+    """A meta input beside real weights (or real inputs beside a meta model) fails deep in a
+    layer ("Input type (float) and bias type (c10::BFloat16) ..."): convert names the input,
+    the devices and the fix instead."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    meta_x = torch.randn(1, 3, 8, 8, device="meta")
+    with pytest.raises(AmpRewriteError, match=r"example_inputs\[0\] is a torch.float32 tensor "
+                       r"of shape \(1, 3, 8, 8\) on the 'meta' device, but Sequential's "
+                       r"parameters and buffers are on cpu\..*torch.randn\(1, 3, 8, 8, "
+                       r"device='cpu'\)") as info:
+        amprewrite.convert(model, (meta_x,))
+    assert "control flow" not in str(info.value) and "bias type" not in str(info.value)
+    with pytest.raises(AmpRewriteError, match=r"example_kwargs\['input'\] is .* 'meta' device"):
+        amprewrite.convert(model, (), example_kwargs={"input": meta_x})
+    with pytest.raises(AmpRewriteError, match=r"on the 'cpu' device, but Sequential's "
+                       r"parameters and buffers are on meta\..*model.to_empty"):
+        amprewrite.convert(model.to("meta"), (torch.randn(1, 3, 8, 8),))
+    gm = amprewrite.convert(model, (meta_x,))  # all on meta: shapes and dtypes only
+    assert gm(meta_x).shape == (1, 4, 6, 6)

@@ -9,9 +9,10 @@ where its code differs from the shared file (which the release CI installs first
 2.13, writes).
 
 The readable code's rules are checked on every listing as well: no line longer than
-:data:`amprewrite.graph.layout.WIDTH`, the weights read in one statement, one name a line,
-a dtype and shape comment on each line that makes a floating tensor, and
-``print_readable()`` the same program as ``gm.code``.
+:data:`amprewrite.graph.layout.WIDTH`, the weights read in one statement, one name a line
+(none in the compile backend's graphs, whose parameters are arguments), a dtype and shape
+comment on each line that makes a floating tensor, and ``print_readable()`` the same
+program as ``gm.code``.
 """
 
 from __future__ import annotations
@@ -145,7 +146,6 @@ def test_code_matches_the_golden_file(name: str, capture: str) -> None:
 def test_the_code_reads_top_down(name: str, capture: str) -> None:
     code, [gm] = _code(name, capture)
     lines = code.splitlines()
-    assert max(map(len, lines)) <= WIDTH, [line for line in lines if len(line) > WIDTH]
     # the weights: one statement, one name a line, before the first op
     read = next(i for i, line in enumerate(lines) if "self._amp_weights.fetch(" in line)
     assert lines[1].startswith("    (") and lines[read].startswith("    ) = self._amp_weights")
@@ -154,8 +154,28 @@ def test_the_code_reads_top_down(name: str, capture: str) -> None:
                              and n.args and getattr(n.args[0], "name", None) == "weights")
     assert all(re.match(r"^    [ (]\w+,", line) for line in names)
     assert "weights[" not in code and "torch.ops.aten.sym_size" not in code
-    assert "torch._C._nn." not in code
-    if capture == "export":  # the values' dtypes are known: each floating result says its own
+    _check_readable(gm, lines, annotated=capture == "export")
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_compile_backends_graphs_read_top_down(name: str) -> None:
+    """The Dynamo graphs the backend rewrote print as converted modules do: parameters as
+    arguments named as in the body (no ``l_x_ = L_x_`` lines), no weight read."""
+    code, graphs = _code(name, "compile")
+    assert graphs
+    for gm in graphs:
+        lines = _listing(gm).splitlines()
+        assert "_amp_weights" not in gm.code and " = L_" not in gm.code
+        _check_readable(gm, lines, annotated=True)
+
+
+def _check_readable(gm: fx.GraphModule, lines: list[str], annotated: bool) -> None:
+    """The rules every listing follows: the width, ``torch.*`` spellings, a dtype and shape
+    comment on each line that makes a floating tensor (where the values' dtypes are known:
+    ``annotated``), ``print_readable()`` the same program as ``gm.code``."""
+    assert max(map(len, lines)) <= WIDTH, [line for line in lines if len(line) > WIDTH]
+    assert "torch._C._nn." not in gm.code
+    if annotated:
         text: dict[str, str] = {}
         for line in code_lines(gm):
             text[line.node] = text.get(line.node, "") + line.text

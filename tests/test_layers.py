@@ -2,8 +2,8 @@
 
 Layers, lowest first (docs/how-it-works.md shows the same map)::
 
-    errors, hardware,    no imports from the package (versions: the tested torch range;
-    versions, cast_count cast_count: the cast kernels a run makes)
+    errors, hardware,    no imports from the package but errors (versions: the tested torch
+    versions, cast_count range; cast_count: the cast kernels a run makes)
     policy               which op runs in which precision (data and rules)
     runtime              what converted graphs call while they run
     graph                facts about nodes shared by capture, passes and tools
@@ -157,3 +157,26 @@ def test_the_import_parser_resolves_every_depth() -> None:
     assert "graph.queries" in graph["audit.where"]
     assert "audit.records" in graph["audit.tables"]
     assert "audit.report" not in _graph(type_only=True)["audit.tables"]
+
+
+def test_each_package_docstring_names_its_modules() -> None:
+    """Each folder's ``__init__`` docstring is its map: it names every module in it, as
+    ``name`` (docs/how-it-works.md's code map points at these docstrings)."""
+    missing = []
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        for path in sorted(init.parent.glob("*.py")):
+            if path.stem != "__init__" and f"``{path.stem}``" not in doc \
+                    and f"``amprewrite.{init.parent.name}.{path.stem}``" not in doc:
+                missing.append(f"{init.parent.name}/{path.name}")
+    assert not missing, "not named in their package's __init__ docstring: " + ", ".join(missing)
+
+
+def test_the_code_map_names_every_top_level_module() -> None:
+    doc = (PACKAGE.parent / "docs" / "how-it-works.md").read_text()
+    table = doc[doc.index("## The code map"):].split("\n## ")[0]
+    missing = [p.name for p in sorted(PACKAGE.glob("*.py")) if p.name != "__init__.py"
+               and f"`{p.name}`" not in table]
+    missing += [f"{p.name}/" for p in sorted(PACKAGE.iterdir())
+                if (p / "__init__.py").exists() and f"`{p.name}/`" not in table]
+    assert not missing, "docs/how-it-works.md's code map lacks: " + ", ".join(missing)

@@ -61,6 +61,27 @@ def test_a_torch_outside_the_range_warns_once(monkeypatch: pytest.MonkeyPatch, v
         assert messages == []
 
 
+def test_the_range_warning_points_at_the_users_import_line(tmp_path: Path) -> None:
+    import subprocess
+    script = tmp_path / "user.py"
+    script.write_text("import warnings, torch\ntorch.__version__ = '2.10.0'\n"
+                      "warnings.simplefilter('always')\nimport amprewrite\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"{script}:4: UserWarning: amprewrite is tested with torch" in done.stderr
+
+
+def test_the_slow_dtype_warning_points_at_the_convert_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from amprewrite import hardware
+    monkeypatch.setattr(hardware, "slow_reason", lambda device, dtype: "no fast kernels")
+    monkeypatch.setattr(hardware, "_WARNED", set())
+    with pytest.warns(UserWarning, match="no fast kernels") as seen:
+        amprewrite.convert(nn.Linear(2, 2), (torch.randn(1, 2),))
+    assert [w.filename for w in seen if "no fast kernels" in str(w.message)] == [__file__]
+
+
 def test_a_transformers_outside_the_range_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
     class FakeTransformers:
         __version__ = "4.57.1"

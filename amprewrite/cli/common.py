@@ -10,10 +10,7 @@ import torch
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-POLICIES = ("default", "autocast-cpu", "autocast-cuda", "fp8")
-
-
-CAPTURES = ("export", "symbolic", "compile")
+from .parser import CAPTURES, POLICIES  # noqa: F401  (the names flags take)
 
 
 class CliError(Exception):

@@ -41,56 +41,16 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from .common import CAPTURES, DTYPES, POLICIES, CliError, policy_for
+from .common import DTYPES, CliError, policy_for
+from .parser import build_parser
 from .precision import COMMANDS as PRECISION_COMMANDS
-from .precision import add_commands as add_precision_commands
 from .precision import run_command as run_precision_command
 
 __all__ = ["main"]
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m amprewrite",
-        description="Automatic mixed precision as a graph rewrite: show the rewritten graph, "
-                    "every precision decision, and the dtypes of a training step.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
-                        help="low precision dtype (default: bf16)")
-    common.add_argument("--policy", choices=POLICIES, default="default",
-                        help="default: CUDA AMP rules on every device; autocast-cpu / "
-                             "autocast-cuda: exactly torch.autocast's lists for that device; "
-                             "fp8: bf16 with the linear layers as fp8 matmuls")
-    common.add_argument("--capture", choices=CAPTURES, default="export",
-                        help="export (default), symbolic, or compile (the torch.compile "
-                             "backend, for models with graph breaks)")
-    common.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    view = argparse.ArgumentParser(add_help=False)
-    view.add_argument("--html", metavar="PATH",
-                      help="also write a self-contained HTML report to PATH")
-    code = argparse.ArgumentParser(add_help=False)
-    code.add_argument("--all-nodes", action="store_true",
-                      help="list every node's decision, not only the ops on floating tensors")
-    code.add_argument("--casts-only", action="store_true",
-                      help="print only the cast lines of gm.code and their neighbours")
-    sub.add_parser("demo", parents=[common, view, code],
-                   help="convert a small transformer; print its graph, decisions and audit")
-    for name, text, parents in (
-            ("explain", "print the rewritten graph and every decision", [common, view, code]),
-            ("audit", "audit the dtypes and ranges of one training step", [common, view]),
-            ("lint", "static checks for fp16/bf16 pitfalls (overflowing fills, tiny epsilons, "
-                     "fp16 parameters; on CUDA, tensor-core alignment), each with a fix",
-             [common])):
-        cmd = sub.add_parser(name, parents=parents, help=text)
-        cmd.add_argument("target", help="pkg.module:factory or path/to/file.py:factory; "
-                                        "the factory returns (model, example_inputs)")
-    add_precision_commands(sub, common)
-    return parser
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "demo":
             from .demo import demo_factory

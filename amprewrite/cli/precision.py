@@ -26,32 +26,9 @@ from ..precision.search import ToleranceNotReached, search
 from ..training.memory import compare_memory
 from .common import DTYPES, CliError, policy_for
 
-__all__ = ["COMMANDS", "add_commands", "run_command"]
+__all__ = ["COMMANDS", "run_command"]
 
 COMMANDS = ("compare", "search", "memory")
-
-
-def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
-    """Add the three commands to the subparsers ``sub`` of ``python -m amprewrite``."""
-    target = "pkg.module:factory or path/to/file.py:factory; the factory returns " \
-             "(model, example_inputs)"
-    cmd = sub.add_parser("compare", parents=[common],
-                         help="error of every op and every gradient against an fp64 run")
-    cmd.add_argument("target", help=target)
-    cmd.add_argument("--top", type=int, default=20,
-                     help="rows of the op table, worst added error first (default: 20)")
-    cmd.add_argument("--no-backward", action="store_true",
-                     help="skip the gradients (forward only)")
-    cmd = sub.add_parser("search", parents=[common],
-                         help="the fewest ops to keep in fp32 for the output to be within --tol")
-    cmd.add_argument("target", help=target)
-    cmd.add_argument("--tol", type=float, default=1e-2,
-                     help="largest relative error of the output vs fp64 (default: 1e-2)")
-    cmd.add_argument("--max-runs", type=int, default=32,
-                     help="conversions and runs allowed (default: 32)")
-    cmd = sub.add_parser("memory", parents=[common],
-                         help="bytes one training step holds: fp32, autocast, O0-O3")
-    cmd.add_argument("target", help=target)
 
 
 def run_command(args: argparse.Namespace, model: nn.Module, inputs: tuple,

@@ -15,7 +15,10 @@ dispatches exactly the ATen ops the ``OpOverload`` dispatches, with the same arg
 (composite ops included: their decompositions are compared), and returns the same structure
 (a list and a tuple count as one where the graph only indexes the result: ``aten::split``
 gives a list, ``Tensor.split`` a tuple). The proof is cached by op and argument types.
-``aten::slice`` is generated as indexing (``x[..., 0:4]``, see :class:`Index`). Nodes
+``aten::slice`` is generated as indexing (``x[..., 0:4]``, see :class:`Index`), so are
+``aten::index.Tensor`` (``x[:, idx]``) and ``aten::alias`` (``x[...]``, see
+:class:`Subscript`), and ``aten::__and__`` and the other dunder ops as operators (``a & b``,
+not ``a.__and__(b)``), each where the proof holds. Nodes
 without example values (symbolic capture without inputs), ops that write an argument other
 than their first and ops of other namespaces keep their ``OpOverload``; an in-place op
 (``add_``) is proven on copies of the example values.
@@ -35,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .queries import slice_args
 
-__all__ = ["binding_for", "Method", "Index"]
+__all__ = ["binding_for", "Method", "Index", "Subscript"]
 
 # NB: not Tensor methods: a method descriptor rejects the proxies a tracer passes (the
 # symbolic tracer re-capturing a converted module), where these functions dispatch them.
@@ -100,6 +103,54 @@ class Index:
 INDEXES = (Index(from_end=False), Index(from_end=True))
 
 
+class Subscript:
+    """The binding of ``aten::index.Tensor`` and ``aten::alias``: eager code indexes, and
+    ``x[:, idx]`` (or ``x[..., idx]``, the index reaching the last dimension) dispatches
+    ``aten::index.Tensor(x, [None, idx])``, ``x[...]`` dispatches ``aten::alias(x)``.
+    Generated as ``operator.getitem(x, index)``, laid out as indexing (:mod:`.layout`).
+
+    Of the forms, the proof takes one that dispatches exactly the op (with symbolic sizes,
+    a ``:`` may slice first: ``...`` does not)."""
+
+    def __init__(self, from_end: bool) -> None:
+        self.from_end = from_end
+
+    def __call__(self, tensor: Any, indices: Any = None) -> Any:
+        index = self.index(indices, tensor.dim())
+        if index is None:
+            raise TypeError("no indexing form")
+        return tensor[index]
+
+    def index(self, indices: Any, ndim: int) -> Any:
+        """The index of ``aten::index.Tensor``'s ``indices`` (``None`` for ``aten::alias``),
+        None where this form has none."""
+        if indices is None:
+            return Ellipsis
+        if not isinstance(indices, (list, tuple)) or not indices:
+            return None
+        skipped = next(k for k, i in enumerate([*indices, 0]) if i is not None)
+        tensors = tuple(indices[skipped:])
+        if not tensors or any(i is None for i in tensors):
+            return None
+        if self.from_end:
+            if skipped == 0 or len(indices) != ndim:
+                return None
+            return (Ellipsis, *tensors)
+        parts = (slice(None),) * skipped + tensors
+        return parts[0] if len(parts) == 1 else parts
+
+    @staticmethod
+    def indices(node: fx.Node) -> Any:
+        """The node's indices (None for ``aten::alias``)."""
+        return node.args[1] if node.target is torch.ops.aten.index.Tensor else None
+
+
+SUBSCRIPTS = (Subscript(from_end=False), Subscript(from_end=True))
+_SUBSCRIPTED = (torch.ops.aten.index.Tensor, torch.ops.aten.alias.default)
+_OPERATORS = torch.fx.graph.magic_methods
+"""The operators torch.fx writes as such (``a & b``), by their ``operator`` name."""
+
+
 def binding_for(node: fx.Node, mode: Any) -> Callable[..., Any] | None:
     op = node.target
     if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or \
@@ -115,6 +166,8 @@ def binding_for(node: fx.Node, mode: Any) -> Callable[..., Any] | None:
         wrapped = Index.wrapped(node)
         key += (None,) if wrapped is None else (
             wrapped[1], tuple(isinstance(s, int) for s in values[0].shape))
+    elif op in _SUBSCRIPTED and isinstance(values[0], torch.Tensor):
+        key += (tuple(isinstance(s, int) for s in values[0].shape),)
     if key not in _PROVEN:
         with mode if mode is not None else contextlib.nullcontext():
             _PROVEN[key] = _prove(op, node)
@@ -216,6 +269,15 @@ def _prove(op: torch._ops.OpOverload, node: fx.Node) -> Callable[..., Any] | Non
     candidates: list[Callable[..., Any]] = [] if op._schema.is_mutable else [
         getattr(ns, name) for ns in _NAMESPACES
         if hasattr(ns, name) and _nameable(getattr(ns, name))]
+    if op in _SUBSCRIPTED and node.args and isinstance(node.args[0], fx.Node):
+        candidates = [*SUBSCRIPTS, *candidates]
+    # ``aten::__and__`` and the other dunder ops: the operator (``a & b``), as eager code
+    # writes them, before the method ``a.__and__(b)``.
+    operator_name = next((n for n in (name[2:-2], name[2:-2] + "_") if name.startswith("__")
+                          and name.endswith("__") and n in _OPERATORS
+                          and hasattr(operator, n)), None)
+    if operator_name is not None and not op._schema.is_mutable:
+        candidates.insert(0, getattr(operator, operator_name))
     # Ops that eager code calls as Tensor methods only (view, expand, contiguous, add_, ...),
     # some under another name (``aten::sym_size`` is ``x.size(dim)``).
     method = _METHOD_NAMES.get(name, name)

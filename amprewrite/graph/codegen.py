@@ -43,23 +43,31 @@ import torch.fx as fx
 from torch.fx.graph import _PyTreeCodeGen
 from torch._guards import detect_fake_mode
 
+from ..errors import user_stacklevel
 from ..runtime.functions import CAST_METHODS
 from ..runtime.weight_cache import CACHE_ATTR
 from ..runtime.weight_table import handed_cast_dtype
-from .bindings import Index, Method, binding_for
+from .bindings import Index, Method, Subscript, binding_for
 from .layout import WIDTH, CodeLayout
-from .wrapping import wrap
+from .wrapping import wrap, wrap_def
 
 __all__ = ["recompile_with_bindings", "plain_codegen"]
 
 
-def recompile_with_bindings(gm: fx.GraphModule) -> fx.GraphModule:
+def recompile_with_bindings(gm: fx.GraphModule, *,
+                            positional: bool = False) -> fx.GraphModule:
     """Give ``gm``'s graph the code generator of converted modules (proven bindings in place
     of ``torch.ops.aten`` calls, the layout of :mod:`.layout`) and recompile it. The
     generator stays the graph's: ``gm.recompile()`` and ``gm.print_readable()`` write the
-    same code. A graph with a code generator of its own (another library's) keeps it."""
+    same code. A graph with a code generator of its own (another library's) keeps it.
+
+    ``positional``: the forward is only ever called with positional arguments (a Dynamo
+    graph), so its parameters take the names of their placeholders: ``def forward(self,
+    l_x_)`` in place of ``def forward(self, L_x_):`` and a line ``l_x_ = L_x_`` per
+    argument."""
     readable = _readable_codegen(gm.graph._codegen)
     if readable is not None:
+        readable.positional = positional
         gm.graph._codegen = readable
     gm.recompile()
     return gm
@@ -83,6 +91,7 @@ class _ReadableCode:
     (``print_readable``) writes the same code: its annotations are the layout's comments."""
 
     _body_transformer: Any
+    positional: bool = False  # parameters named as their placeholders (recompile_with_bindings)
 
     def _gen_python_code(self, nodes: Any, root_module: str, namespace: Any,
                          **kwargs: Any) -> Any:
@@ -91,7 +100,7 @@ class _ReadableCode:
                 nodes, root_module, namespace, **kwargs)
         kwargs["verbose"] = False
         order = list(nodes)
-        swapped, weight_casts, indexing = _swap_bindings(order)
+        swapped, weight_casts, indexing = _swap_bindings(order, self.positional)
         previous = self._body_transformer
         self._body_transformer = _Transformer(
             CodeLayout(order, root_module, frozenset(weight_casts), namespace,
@@ -109,14 +118,17 @@ class _ReadableCode:
     def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str, *,
                    expanded_def: bool = False) -> str:
         """torch.fx's ``def forward(...):`` and argument bindings, each binding wrapped as
-        the body is (an exported forward's ``fx_pytree.tree_flatten_spec(...)``)."""
+        the body is (an exported forward's ``fx_pytree.tree_flatten_spec(...)``), the
+        parameters filled into lines (a Dynamo graph's)."""
         prologue = super().gen_fn_def(  # type: ignore[misc]
             free_vars, maybe_return_annotation, expanded_def=expanded_def)
         lines = []
         for line in prologue.split("\n"):
             body = line[4:] if line.startswith("    ") else None
-            lines += [f"    {part}" for part in wrap(body, WIDTH - 4)] \
-                if body is not None and len(line) > WIDTH else [line]
+            if body is not None and len(line) > WIDTH:
+                lines += [f"    {part}" for part in wrap(body, WIDTH - 4)]
+            else:
+                lines += wrap_def(line, WIDTH)
         return "\n".join(lines)
 
 
@@ -133,7 +145,7 @@ class _Transformer:
         except Exception as exc:  # never lose the code over its layout
             warnings.warn(f"amprewrite: the converted code could not be laid out "
                           f"({type(exc).__name__}: {exc}); gm.code shows torch.fx's layout, "
-                          "which runs the same", stacklevel=2)
+                          "which runs the same", stacklevel=user_stacklevel())
             laid_out = body
         return self.then(laid_out) if self.then is not None else laid_out
 
@@ -156,11 +168,12 @@ def _readable_codegen(codegen: Any) -> Any:
     return readable
 
 
-def _swap_bindings(nodes: list[fx.Node]
+def _swap_bindings(nodes: list[fx.Node], positional: bool = False
                    ) -> tuple[list[tuple[Any, ...]], set[fx.Node], set[fx.Node]]:
     """Point each node with a proven binding at it; returns what to restore, the parameter
     casts generated as the dtype's method (:func:`_cast_method`) and the slices generated
-    as indexing (:class:`_Index`)."""
+    as indexing (:class:`_Index`). ``positional``: each placeholder without a default
+    names its parameter (:func:`recompile_with_bindings`)."""
     swapped: list[tuple[fx.Node, str, Any, tuple, dict, Any]] = []
     weight_casts: set[fx.Node] = set()
     indexing: set[fx.Node] = set()
@@ -179,6 +192,12 @@ def _swap_bindings(nodes: list[fx.Node]
             # comments do not; the module's signature is the model's (model_view)
             swapped.append((node, node.op, node.target, node.args, node.kwargs, node.type))
             node.type = None
+            if positional and _renamable(node):
+                node.target = node.name
+            continue
+        if positional and _renamable(node):
+            swapped.append((node, node.op, node.target, node.args, node.kwargs, node.type))
+            node.target = node.name
             continue
         binding = binding_for(node, mode)
         if binding is not None:
@@ -190,9 +209,21 @@ def _swap_bindings(nodes: list[fx.Node]
                 index = binding.index(dim, x.meta["val"].dim(), *bounds)
                 node.target, node.args = operator.getitem, (x, index)
                 indexing.add(node)
+            elif isinstance(binding, Subscript):
+                x = node.args[0]
+                index = binding.index(Subscript.indices(node), x.meta["val"].dim())
+                node.target, node.args = operator.getitem, (x, index)
+                indexing.add(node)
             else:
                 node.target = binding
     return swapped, weight_casts, indexing
+
+
+def _renamable(node: fx.Node) -> bool:
+    """A placeholder of a plain parameter (no ``*``, no default) named otherwise than its
+    node."""
+    return node.op == "placeholder" and not node.args and isinstance(node.target, str) and \
+        node.target.isidentifier() and node.target != node.name
 
 
 class _DirectArgumentsCodeGen(_PyTreeCodeGen):

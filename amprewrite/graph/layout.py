@@ -206,8 +206,8 @@ def tensor_dtype(dtype: torch.dtype) -> str:
 
 def _index_text(index: Any) -> str | None:
     """A tensor index as eager code writes it, ``..., 0:4`` for ``(Ellipsis, slice(0, 4,
-    None))``; the end ``sys.maxsize`` is left out (``4:``: what Python passes for it). None
-    for an index of other parts."""
+    None))``, ``:, idx`` for ``(slice(None, None, None), idx)``; the end ``sys.maxsize`` is
+    left out (``4:``: what Python passes for it). None for an index of other parts."""
     def bound(value: Any) -> str | None:
         if value is None:
             return ""
@@ -219,6 +219,9 @@ def _index_text(index: Any) -> str | None:
     for part in index if isinstance(index, tuple) else (index,):
         if part is Ellipsis:
             parts.append("...")
+            continue
+        if isinstance(part, fx.Node):  # a tensor index
+            parts.append(repr(part))
             continue
         if not isinstance(part, slice):
             return None

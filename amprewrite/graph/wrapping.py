@@ -10,8 +10,10 @@ value in parentheses on the next line (:mod:`.layout` lays converted code out wi
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 
-__all__ = ["wrap"]
+__all__ = ["wrap", "wrap_def"]
 
 
 def wrap(statement: str, width: int, room: int = 0, parenthesize: bool = True) -> list[str]:
@@ -132,5 +134,44 @@ def _fill(src: str, parts: tuple[str, list[ast.AST], str], column: int, width: i
             lines += piece[1:-1]
             current, offset = piece[-1], 0
         current += end
+    lines.append(current)
+    return lines
+
+
+def wrap_def(line: str, width: int) -> list[str]:
+    """A function's first line, ``def forward(self, a, b):``, as lines of at most ``width``
+    characters where it can be: the parameters filled in, continuation lines aligned under
+    the first. Text is never rewritten; a line that cannot be read stays as it is."""
+    if len(line) <= width or not line.startswith("def ") or not line.isascii():
+        return [line]
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(line).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return [line]
+    depth, cuts, close = 0, [], None  # the commas between parameters, the closing bracket
+    for token in tokens:
+        if token.type != tokenize.OP:
+            continue
+        if token.string in "([{":
+            depth += 1
+        elif token.string in ")]}":
+            depth -= 1
+            if depth == 0 and close is None:
+                close = token.start[1]
+        elif token.string == "," and depth == 1 and close is None:
+            cuts.append(token.start[1])
+    if close is None or not cuts:
+        return [line]
+    start = line.index("(") + 1
+    params = [line[a:b].strip() for a, b in zip([start] + [c + 1 for c in cuts], [*cuts, close])]
+    params = [p for p in params if p]  # a trailing comma
+    lines, current = [], line[:start]
+    for k, param in enumerate(params):
+        piece = param + ("," if k < len(params) - 1 else line[close:])
+        if k == 0 or len(current) + 1 + len(piece) <= width:
+            current += ("" if k == 0 else " ") + piece
+        else:
+            lines.append(current)
+            current = " " * start + piece
     lines.append(current)
     return lines

@@ -10,10 +10,13 @@ took 592-605 µs called through the wrapper and 549-568 µs called as below, abo
 :func:`finish` gives the module's class a ``__call__`` defined here, which Dynamo
 traces from its first frame, and which reports a failing generated line as torch.fx does.
 
-``gm.recompile()`` puts torch.fx's call back (it regenerates the class's ``__call__``), as it
-puts the plain generated code back (:mod:`.codegen`). A deep copy keeps both: torch.fx's
-``__deepcopy__`` builds the copy through a new class and ``recompile()``, so the class's
-``__deepcopy__`` finishes the copy as ``convert`` finished the original (:func:`finish`).
+``gm.recompile()`` keeps both: torch.fx's ``recompile`` regenerates the class's ``forward``
+and ``__call__``, so the class's ``recompile`` (:func:`_recompile_converted`) makes the new
+code the held graph's forward and puts this call and the checked ``forward`` back; the code
+is the readable code (:mod:`amprewrite.graph.codegen`: the generator is the graph's). A deep
+copy keeps both too: torch.fx's ``__deepcopy__`` builds the copy through a new class and
+``recompile()``, so the class's ``__deepcopy__`` finishes the copy as ``convert`` finished
+the original (:func:`finish`).
 
 **The cache.** Each call first asks the module's :class:`~amprewrite.module.cache.GraphCache`
 whether the guards of the graph it holds still hold (one check: mode, model state), and
@@ -65,9 +68,11 @@ __all__ = ["finish", "failure_context", "generated_code"]
 
 def finish(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm``'s code with proven bindings (:func:`recompile_with_bindings`), called through
-    :func:`_converted_call`, and deep copies finished the same way. Its class is its own
-    (torch.fx makes one class per GraphModule), so no other module changes."""
+    :func:`_converted_call`, and deep copies and ``gm.recompile()`` finished the same way. Its
+    class is its own (torch.fx makes one class per GraphModule), so no other module changes."""
     recompile_with_bindings(gm)
+    if type(gm).__dict__.get("recompile") is _recompile_converted:
+        return gm  # finished before: the recompile above kept the call
     gm.__dict__.setdefault(SERVES_ATTR, (True, True))
     cls = type(gm)
     gm.__dict__[FORWARD_ATTR] = cls.forward
@@ -76,7 +81,20 @@ def finish(gm: fx.GraphModule) -> fx.GraphModule:
     cls.__deepcopy__ = _finished_copy
     cls.train = _train
     cls.__reduce__ = _reduce_converted
+    cls.recompile = _recompile_converted
     return gm
+
+
+def _recompile_converted(self: fx.GraphModule) -> Any:
+    """torch.fx's ``recompile``, which regenerates the class's ``forward`` and ``__call__``:
+    the new forward becomes the held graph's, and the class's checked ``forward`` (with the
+    model's signature) and :func:`_converted_call` are put back."""
+    cls = type(self)
+    held_forward = cls.__dict__["forward"]
+    python_code = fx.GraphModule.recompile(self)
+    self.__dict__[FORWARD_ATTR] = cls.__dict__["forward"]
+    cls.forward, cls.__call__ = held_forward, _converted_call
+    return python_code
 
 
 def _held_graph_forward(generated: Any) -> Any:

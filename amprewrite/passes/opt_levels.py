@@ -76,10 +76,8 @@ from ..runtime.functions import guarded_cast
 from ..runtime.low_copies import LOW_COPIES_ATTR, LowPrecisionCopies
 from .classify import ClassifyPass
 from .eliminate_casts import EliminateCastsPass
-from .fold_constants import FoldConstantsPass
 from .gather_weights import gather_weights
-from .native_kernels import NativeKernelsPass
-from .pipeline import run_passes
+from .pipeline import run_in_order, run_passes, speed_passes
 
 __all__ = ["OPT_LEVELS", "OPT_LEVEL_KEY", "OptLevel", "apply_opt_level", "check_opt_level",
            "low_precision_twin", "opt_level_of"]
@@ -141,8 +139,7 @@ def apply_opt_level(gm: fx.GraphModule, model: nn.Module, level: str,
     """Rewrite a freshly captured ``gm`` for ``level`` (``"O0"``, ``"O2"`` or ``"O3"``)."""
     if level == "O0":
         # O0 computes what the model computes eagerly, at its speed
-        FoldConstantsPass()(gm)
-        NativeKernelsPass()(gm)
+        run_in_order(speed_passes(), gm)
         gm.meta[OPT_LEVEL_KEY] = OptLevel("O0", None)
         gm.recompile()
         return gm
@@ -175,7 +172,7 @@ class _LowPrecisionRewrite:
             self._master_outputs_down()
         run_passes(self.gm, self.policy, self.dtype, mark_converted=False)
         self._cast_outputs()
-        EliminateCastsPass(self.policy)(self.gm)
+        run_in_order([EliminateCastsPass(self.policy)], self.gm)  # the outputs' casts
         gather_weights(self.gm)
 
     # -- weights ---------------------------------------------------------------------------

@@ -1,10 +1,14 @@
-"""The pass pipeline of a conversion: drop no-ops, decompose, classify, insert casts, fp8
-linears (``Policy.fp8`` only), fit constants, eliminate casts, fold constants, native
-kernels.
+"""The pass schedule, the one place passes are run in order: a conversion's (drop no-ops,
+decompose, classify, insert casts, fp8 linears with ``Policy.fp8`` only, fit constants,
+eliminate casts, then :func:`speed_passes`: fold constants, native kernels), used by
+``convert`` and ``amprewrite.compile`` (:func:`run_passes`) and by the opt levels
+(:mod:`.opt_levels`: O0 runs the speed passes alone, O2/O3 the conversion's with their rules).
 
 Decompose, classify and insert casts run again while a composite waits for the dtypes of its
 inputs to be final before it is split (:class:`~amprewrite.graph.meta.PendingSplit`): one
-more round per level of composites nested in composites."""
+more round per level of composites nested in composites, for as long as a round changes the
+graph (``PassResult.modified``); a round that changes nothing while composites wait is a bug,
+reported with the nodes."""
 
 from __future__ import annotations
 
@@ -26,10 +30,16 @@ from .fp8 import Fp8LinearPass
 from .insert_casts import InsertCastsPass
 from .native_kernels import NativeKernelsPass
 
-__all__ = ["amp_passes", "run_passes"]
+__all__ = ["amp_passes", "run_passes", "run_in_order", "speed_passes"]
 
 _MAX_ROUNDS = 8
 """Rounds of decompose, classify and insert casts, at most: composites nest about 4 deep."""
+
+
+def speed_passes() -> list:
+    """The passes every opt level runs, O0 included: constant subgraphs computed once,
+    traced-only fallback ops routed to eager code's kernel. Neither changes a dtype."""
+    return [FoldConstantsPass(), NativeKernelsPass()]
 
 
 def _phases(policy: Policy, dtype: torch.dtype) -> tuple[list, list, list]:
@@ -38,8 +48,7 @@ def _phases(policy: Policy, dtype: torch.dtype) -> tuple[list, list, list]:
     return ([DropNoOpsPass()],
             [DecomposeCompositesPass(policy), ClassifyPass(policy, dtype),
              InsertCastsPass(policy, dtype)],
-            [*fp8, FitConstantsPass(), EliminateCastsPass(policy), FoldConstantsPass(),
-             NativeKernelsPass()])
+            [*fp8, FitConstantsPass(), EliminateCastsPass(policy), *speed_passes()])
 
 
 def amp_passes(policy: Policy, dtype: torch.dtype) -> list:
@@ -63,21 +72,21 @@ def run_passes(gm: fx.GraphModule, policy: Policy, dtype: torch.dtype, *,
     level instead."""
     report = _report(gm)
     before, rounds, after = _phases(policy, dtype)
-    _run(before + rounds, gm)
-    pending = _pending(gm)
-    for _ in range(_MAX_ROUNDS):
+    run_in_order(before, gm)
+    for count in range(1, _MAX_ROUNDS + 2):
+        modified = run_in_order(rounds, gm)
+        pending = _pending(gm)
         if not pending:
             break
-        _run(rounds, gm)
-        pending = _pending(gm)
-    if pending:
-        raise AmpRewriteError(
-            "amprewrite: composites still wait to be split after "
-            f"{_MAX_ROUNDS} rounds of the passes: "
-            + ", ".join(n.format_node() for n in pending)
-            + ". Please report this model; Policy().override(ops={...}) on these ops "
-            "keeps them whole meanwhile.")
-    _run(after, gm)
+        if not modified or count > _MAX_ROUNDS:
+            raise AmpRewriteError(
+                "amprewrite: composites still wait to be split after "
+                f"{count} rounds of the passes"
+                + ("" if modified else ", the last of which changed nothing") + ": "
+                + ", ".join(n.format_node() for n in pending)
+                + ". Please report this model; Policy().override(ops={...}) on these ops "
+                "keeps them whole meanwhile.")
+    run_in_order(after, gm)
     casts = [n for n in gm.graph.nodes if cast_info(n) is not None]
     report.inserted = len(casts)
     report.guarded = sum(1 for n in casts if cast_info(n).guarded)
@@ -88,18 +97,24 @@ def run_passes(gm: fx.GraphModule, policy: Policy, dtype: torch.dtype, *,
     return gm
 
 
-def _run(passes: list, gm: fx.GraphModule) -> None:
+def run_in_order(passes: list, gm: fx.GraphModule) -> bool:
+    """Run ``passes`` on ``gm``'s graph in order, each checked (``graph.lint()``), a
+    failure no pass explains reported with its pass and node; whether any reported a change
+    (``PassResult.modified``). The caller recompiles ``gm`` once, at the end."""
     # NB: not torch's PassManager, which recompiles the module's code after every pass
     # (0.1 s each for a 1500-node graph, 15% of a convolutional network's conversion); the
     # passes edit the graph, and the code is generated once, at the end.
+    modified = False
     for step in passes:
         try:
-            step(gm)
+            result = step(gm)
             gm.graph.lint()
         except (AmpRewriteError, ValueError, TypeError):
             raise  # ours: what, where, the fix
         except Exception as exc:
             raise AmpRewriteError(_unexpected(type(step).__name__, exc)) from exc
+        modified |= bool(result is not None and result.modified)
+    return modified
 
 
 def _unexpected(step: str, exc: Exception) -> str:

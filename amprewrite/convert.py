@@ -125,11 +125,11 @@ def convert(
     entries = recapture.capture(example_inputs, example_kwargs)
     gm = entries[0].holder  # not held yet: its own module
     assert gm is not None
+    if recapture.view:  # NB: before the cache's stamp, which its first hooks move
+        register_view(gm, model)
     cache = GraphCache(recapture, options.on_change)
     cache.start(gm, entries, "at conversion", recapture.watch(gm))
     cache.attach(gm)
-    if recapture.view:
-        register_view(gm, model)
     if not is_converted(model):
         # NB: the model's signature, not the capture's (which names the example's inputs):
         # Trainer reads it to pick the columns and whether to pass num_items_in_batch, and
@@ -148,9 +148,9 @@ def _placeholder(model: nn.Module, options: ConvertOptions, recapture: _Recaptur
     if level != "O1":
         meta[OPT_LEVEL_KEY] = OptLevel(level, None if level == "O0" else low)
     gm = finish(placeholder_module(model, meta, o2=level == "O2"))
-    GraphCache(recapture, options.on_change, first_call=True).attach(gm)
     if recapture.view:
         register_view(gm, model)
+    GraphCache(recapture, options.on_change, first_call=True).attach(gm)
     adopt_model(gm, model)  # ``(*args, **kwargs)`` until then: the model's signature
     return gm
 

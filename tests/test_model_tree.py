@@ -6,6 +6,8 @@ holds now, not what it held at the capture or at the last call. Compared with ea
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -159,3 +161,18 @@ def test_o3_runs_on_copies_of_its_own() -> None:
     assert gm.head is not model.head
     model.head = nn.Linear(16, 4)
     assert gm.head is not model.head
+
+
+def test_the_first_conversion_in_a_process_holds_its_guards_at_once() -> None:
+    """Following the model's tree installs torch's global registration hooks (once per
+    process), which make hook handles: the cache's stamp is taken after them, so the first
+    call of the first conversion takes the fast path."""
+    code = ("import torch, torch.nn as nn, amprewrite\n"
+            "from amprewrite.module.cache import cache_of\n"
+            "model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())\n"
+            "gm = amprewrite.convert(model, (torch.randn(2, 4),))\n"
+            "assert gm.get_submodule('0') is model[0]\n"
+            "assert cache_of(gm).holds(gm), 'guards fail right after conversion'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -112,7 +112,10 @@ def convert(
 
     ``gm`` stays the model: it computes with the model's tensors as they are at each call
     (replaced ones included), and each call checks that the Python state the capture read
-    still holds (``on_change``).
+    still holds (``on_change``). Its submodules are the model's own (``gm.head is
+    model.head``, :mod:`amprewrite.module.tree`; not at O3), so ``gm.parameters()`` and
+    ``gm.state_dict()`` are the model's at every moment, and ``gm.train()`` / ``gm.eval()``
+    switch the model too, as ``torch.compile``'s module does.
     """
     options = ConvertOptions.checked(
         model, example_inputs, example_kwargs, policy=policy, dtype=dtype, capture=capture,

@@ -39,6 +39,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Iterator
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.nn.modules.module import (register_module_buffer_registration_hook,
@@ -112,6 +113,8 @@ def trees(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
 def _child_registered(module: nn.Module, name: str, child: Any) -> None:
     """torch's hook, before ``module._modules[name] = child``: where ``module`` is a model
     with views, each view's tree takes the new child where it held the model's old one."""
+    if torch.compiler.is_compiling():
+        return None  # a forward registering a module while Dynamo traces it: not a view's
     views = _VIEWS.get(module)
     if not views:
         return None
@@ -128,6 +131,8 @@ def _tensor_registered(kind: str) -> Any:
     def hook(module: nn.Module, name: str, tensor: Any) -> None:
         """Before ``module.<kind>[name] = tensor``: a view holding the model's old tensor at
         its root (the graphs share the root's dicts) takes the new one."""
+        if torch.compiler.is_compiling():
+            return None  # NB: Dynamo would guard on the registry of views
         views = _VIEWS.get(module)
         if not views:
             return None

@@ -57,7 +57,7 @@ from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
 from ..capture.guards import GUARDS_ATTR, InputGuards
 from .isolation import CAPTURE_LOCK
 from .model_view import adopt_model
-from .tree import adopt_children, is_view, register_view, trees, view_model
+from .tree import adopt_children, register_view, trees, view_model
 from .cache import CACHE_KEY, SERVES_ATTR, RefitFailed
 from .sharing import FORWARD_ATTR, rebind_table
 from ..capture.symbolic import _AmpTracer
@@ -155,7 +155,7 @@ def _finished_copy(self: fx.GraphModule, memo: dict[int, Any]) -> fx.GraphModule
     finish(copied)
     if cache is not None and cache.model is not None:  # reads as its own copy of the model
         adopt_model(copied, cache.model, signature=False)
-        if is_view(self):  # and its children are that copy's
+        if view_model(self) is not None:  # and its children are that copy's
             for tree in trees(copied):
                 adopt_children(tree, cache.model)
                 rebind_table(tree)

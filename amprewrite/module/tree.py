@@ -49,8 +49,7 @@ from torch.nn.modules.module import (register_module_buffer_registration_hook,
 from .cache import cache_of
 from .sharing import mirrors
 
-__all__ = ["adopt_children", "register_view", "is_view",
-           "view_model", "trees"]
+__all__ = ["adopt_children", "register_view", "view_model", "trees"]
 
 _VIEWS: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[fx.GraphModule]]" = \
     weakref.WeakKeyDictionary()
@@ -88,11 +87,6 @@ def register_view(gm: fx.GraphModule, model: nn.Module) -> None:
         _hooks_installed[0] = True
     _VIEWS.setdefault(model, weakref.WeakSet()).add(gm)
     _MODEL_OF[gm] = weakref.ref(model)
-
-
-def is_view(gm: nn.Module) -> bool:
-    """Whether ``gm`` follows a model's tree (:func:`register_view`)."""
-    return gm in _MODEL_OF if isinstance(gm, fx.GraphModule) else False
 
 
 def view_model(gm: nn.Module) -> nn.Module | None:

@@ -18,7 +18,7 @@ from .module.first_call import placeholder_module
 from .module.cache import CACHE_KEY, STATE_KEY, Entry, GraphCache
 from .module.modes import MODE_KEY, NOT_CAPTURED_KEY, in_mode, mode_name, not_captured_graph
 from .module.sharing import rebind_table, relink_graph, share_root_state, share_state
-from .module.tree import adopt_children, register_view
+from .module.tree import adopt_children, register_view, view_model
 from .module.isolation import CAPTURE_LOCK, outside_modes
 from .capture.logs import quiet_capture_logs
 from .capture.persistence import match_persistence
@@ -152,6 +152,7 @@ def _placeholder(model: nn.Module, options: ConvertOptions, recapture: _Recaptur
         meta[OPT_LEVEL_KEY] = OptLevel(level, None if level == "O0" else low)
     gm = finish(placeholder_module(model, meta, o2=level == "O2"))
     if recapture.view:
+        adopt_children(gm, model)
         register_view(gm, model)
     GraphCache(recapture, options.on_change, first_call=True).attach(gm)
     adopt_model(gm, model)  # ``(*args, **kwargs)`` until then: the model's signature
@@ -171,14 +172,16 @@ class _Recapture:
         self.can_recapture = not is_converted(model)
         """A converted module converted again captures its other mode only: its model's
         state is the converted module's graph."""
-        self.view = self.can_recapture and options.opt_level != "O3"
+        self.view = self.can_recapture and options.shares_modules
         """Whether the converted module's children are the model's (:mod:`.module.tree`):
         not for O3, which runs on low-precision copies of its own."""
 
     def __call__(self, gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any],
                  varying: DynamicDims = frozenset()) -> list[Entry]:
         call_args, call_kwargs = (args, kwargs or None) if self.has_inputs else (None, None)
-        with in_mode(self.model, gm.training):
+        # NB: the submodules' flags as they are (a frozen batch norm), where they are the
+        # model's: the call runs the model in gm's mode with them, as eager would
+        with in_mode(self.model, gm.training, root_only=self.view):
             return self.capture(call_args, call_kwargs, root=gm, varying=varying)
 
     def capture(self, args: tuple | None, kwargs: dict[str, Any] | None,
@@ -329,11 +332,15 @@ def _capture_one(model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | 
     if is_converted(model):
         # NB: re-capturing would lose what only the nodes' meta holds (the model's own
         # autocast regions, the decisions), so converting twice could cast more.
-        return _rewrite(capture_converted(model), model,  # type: ignore[arg-type]
-                        dataclasses.replace(options, calibration=None), pair)
+        copied = capture_converted(model)  # type: ignore[arg-type]
+        state = copied.meta.get(STATE_KEY)
+        if isinstance(state, StateSnapshot):  # its mode is the copied graph's, whatever
+            copied.meta[STATE_KEY] = state.without_flags()  # the flags of its model
+        return _rewrite(copied, model, dataclasses.replace(options, calibration=None), pair)
     if options.capture == "export" or (options.capture == "auto" and has_inputs):
         return _export_and_rewrite(model, args or (), kwargs, options, pair)
-    gm = _recorded(model, lambda: capture_symbolic(model))
+    gm = _recorded(model, lambda: capture_symbolic(model, options.shares_modules),
+                   options.shares_modules)
     if has_inputs:
         propagate_meta(gm, args or (), kwargs)
     return _rewrite(gm, model, options, pair)
@@ -346,11 +353,13 @@ def _export_and_rewrite(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
     with the example's static shapes."""
     regime = _regime(model, args, kwargs, options)
     faithful = options.opt_level != "O0"
+    flags = options.shares_modules
     if dynamic_shapes(model, args, kwargs, pair.varying) is None:  # one static export
-        gm = _recorded_export(model, args, kwargs, regime, False, faithful)
+        gm = _recorded_export(model, args, kwargs, regime, False, faithful, flags)
         return _rewrite(gm, model, options, pair)
     try:
-        gm = _recorded_export(model, args, kwargs, regime, True, faithful, pair.varying)
+        gm = _recorded_export(model, args, kwargs, regime, True, faithful, flags,
+                              pair.varying)
     except AmpRewriteError as exc:
         dynamic_error: Exception = exc
     else:
@@ -362,7 +371,7 @@ def _export_and_rewrite(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
             raise  # the user's input is wrong: shapes have nothing to do with it
         except Exception as exc:
             dynamic_error = exc
-    gm = _recorded_export(model, args, kwargs, regime, False, faithful)
+    gm = _recorded_export(model, args, kwargs, regime, False, faithful, flags)
     converted = _rewrite(gm, model, options, pair)
     if pair.varying:  # a capture at a call: its RecaptureWarning names the dimensions
         return converted
@@ -376,18 +385,20 @@ def _export_and_rewrite(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
 
 
 def _recorded_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
-                     regime: Regime | None, dynamic: bool, faithful: bool,
+                     regime: Regime | None, dynamic: bool, faithful: bool, flags: bool,
                      varying: DynamicDims = frozenset()) -> fx.GraphModule:
     return _recorded(model, lambda: capture_export(model, args, kwargs, regime=regime,
                                                    dynamic=dynamic, faithful=faithful,
-                                                   varying=varying))
+                                                   varying=varying), flags)
 
 
-def _recorded(model: nn.Module, capture: Callable[[], fx.GraphModule]) -> fx.GraphModule:
+def _recorded(model: nn.Module, capture: Callable[[], fx.GraphModule], flags: bool
+              ) -> fx.GraphModule:
     """``capture()``'s graph of ``model``, with what the model's code read meanwhile
-    (:mod:`.capture.reads`) as its ``meta[STATE_KEY]``. The layers a symbolic capture keeps
-    whole read their state at each call: all of it counts as read."""
-    with recording_reads(model) as reads:
+    (:mod:`.capture.reads`; ``flags``: the submodules' ``training`` flags too) as its
+    ``meta[STATE_KEY]``. The layers a symbolic capture keeps whole read their state at each
+    call: all of it counts as read."""
+    with recording_reads(model, flags) as reads:
         try:
             gm = capture()
         finally:
@@ -430,7 +441,7 @@ def _rewrite(gm: fx.GraphModule, model: nn.Module, options: ConvertOptions, pair
         if code == pair.main_code:
             _join_states(pair.main, gm)
             return None  # no mode-dependent code: one graph serves both modes
-        share_state(pair.main, gm)
+        share_state(pair.main, gm, view=view_model(pair.main) is model)
     elif pair.root is not None:
         share_root_state(pair.root, gm, suffix="state")
     _record_override_names(gm, pair)

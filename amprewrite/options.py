@@ -48,6 +48,13 @@ class ConvertOptions:
     calibration: tuple[CalibrationInput, ...] | None
     on_change: str
 
+    @property
+    def shares_modules(self) -> bool:
+        """Whether the graphs run on the model's own modules and flags (every level but O3,
+        which runs on a low-precision copy of its own): a leaf layer the symbolic capture
+        keeps is the model's, and a submodule's ``training`` flag is state the capture read."""
+        return self.opt_level != "O3"
+
     @classmethod
     def checked(cls, model: nn.Module, example_inputs: Any, example_kwargs: Any, *,
                 policy: Policy | None, dtype: torch.dtype | None, capture: str,

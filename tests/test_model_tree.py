@@ -117,6 +117,59 @@ def test_a_child_added_to_the_model_is_the_converted_modules() -> None:
     assert any(p is model.extra.weight for p in gm.parameters())
 
 
+@pytest.mark.parametrize("route", ROUTES)
+def test_the_table_of_children_is_the_models_and_holds_no_helper(route: str) -> None:
+    """The converted module's children are the model's ``_modules`` itself: no module of the
+    graph's own (torch.export's input check, a fused-attention sub-graph) is a child, so
+    ``named_modules()`` lists the model's modules and none in eval mode that the model has
+    in train mode (Lightning counts those)."""
+    model = Net()
+    gm = _convert(model, route)
+    assert gm._modules is model._modules
+    assert [n for n, _ in gm.named_modules()][1:] == [n for n, _ in model.named_modules()][1:]
+    assert all(m.training for m in gm.modules())
+    attention = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+
+    class Self(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = attention
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attn(x, x, x, need_weights=False)[0]
+
+    fused = amprewrite.convert(Self(), (torch.randn(2, 3, 8),), policy=PRESET)
+    assert "multi_head_attention(" in fused.code  # its composite ops: a sub-graph
+    assert [n for n, _ in fused.named_children()] == ["attn"]
+    assert list(fused.state_dict()) == [f"attn.{k}" for k in attention.state_dict()]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_child_deleted_or_set_on_either_is_the_others(route: str) -> None:
+    """``del model.head`` leaves the converted module without one, and ``gm.head = ...`` is
+    the model's head (the view's table is the model's): the next call computes with it,
+    bitwise, and an optimizer over ``gm.parameters()`` trains it."""
+    torch.manual_seed(0)
+    model = Net()
+    gm = _convert(model, route)
+    del model.head
+    assert not hasattr(gm, "head") and "head.weight" not in gm.state_dict()
+    gm.head = nn.Linear(16, 4)
+    assert model.head is gm.head
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(gm.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    for step in range(2):
+        out, ref = _quiet_call(gm, X), _eager(twin, X)
+        assert torch.equal(out, ref), step
+        out.square().mean().backward()
+        ref.square().mean().backward()
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    assert torch.equal(model.head.weight, twin.head.weight)
+    del gm.head
+    assert "head" not in model._modules
+
+
 def test_every_kept_graph_reads_the_models_tree_when_its_state_returns() -> None:
     """Replace the head (a new graph), put the old head back (the first graph again): each
     call computes with the head the model holds, bitwise."""

@@ -27,8 +27,13 @@ What is noted, per module of the model (objects the forward makes, such as the s
   ``SimpleNamespace``, or an object with ``to_dict``): the whole object (:attr:`Reads.configs`),
   since the forward reads it through helpers the recording cannot see into.
 
-``training`` is not noted: the converted module's mode is its own (``gm.train()``/``gm.eval()``,
-:mod:`amprewrite.module.modes`), and each mode's capture sets the model's flags for its duration.
+``training`` is noted on the submodules only, and only where the converted module is a view of
+the model (:mod:`amprewrite.module.tree`), whose flags are the model's: a graph captured with
+``model.bn.eval()`` under a training root computes batch norm with running statistics, so
+``bn.training`` is a value it read like any other (a submodule switched on its own,
+``model.bn.eval()`` to freeze it, is then a change of state). The root's flag is the converted
+module's mode (``gm.train()``/``gm.eval()``, :mod:`amprewrite.module.modes`), guarded apart;
+the flags of a module's private copy (O3's low-precision twin) follow no one's switches.
 """
 
 from __future__ import annotations
@@ -80,8 +85,11 @@ def _own_modules(model: nn.Module) -> Iterator[nn.Module]:
 class Reads:
     """The reads of one capture, each place once (keyed by the owner's identity)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, flags: bool = False) -> None:
         self.owners: dict[int, nn.Module] = {id(m): m for m in _own_modules(model)}
+        self.flags = flags
+        """Whether the submodules' ``training`` reads are noted (module docstring)."""
+        self.root = model
         self.values: dict[tuple[int, str, str], Slot] = {}
         """Found: an attribute in ``__dict__``, a submodule in ``_modules``."""
         self.absent: dict[tuple[int, str, str], Slot] = {}
@@ -128,7 +136,9 @@ def _note_getattribute(module: nn.Module, name: str, value: Any) -> None:
     if id(module) not in reads.owners:
         return  # an object the forward made (a ModuleList slice), not the model's
     if name in _MODULE_INTERNALS or name.startswith("__"):
-        if name == "_modules" and (isinstance(module, _CONTAINERS) or _read_by_model_code()):
+        if name == "training" and reads.flags and module is not reads.root:
+            reads.found(module, "__dict__", name, value)
+        elif name == "_modules" and (isinstance(module, _CONTAINERS) or _read_by_model_code()):
             reads.walked.setdefault(id(module), module)
         return
     if name in object.__getattribute__(module, "__dict__"):
@@ -271,12 +281,13 @@ def _restore_classes(swapped: list[tuple[nn.Module, type]]) -> None:
 
 
 @contextlib.contextmanager
-def recording_reads(model: nn.Module) -> Iterator[Reads]:
-    """Note what the code run inside the block reads of ``model`` (module docstring).
+def recording_reads(model: nn.Module, flags: bool = False) -> Iterator[Reads]:
+    """Note what the code run inside the block reads of ``model`` (module docstring);
+    ``flags``: its submodules' ``training`` flags too.
 
     A module whose class cannot take a subclass (``__class__`` assignment refused) is not
     recorded; its reads are then unseen, which the snapshot says (``unwatched``)."""
-    reads = Reads(model)
+    reads = Reads(model, flags)
     swapped: list[tuple[nn.Module, type]] = []
     try:
         for module in reads.owners.values():

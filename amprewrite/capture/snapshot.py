@@ -198,13 +198,31 @@ class StateSnapshot:
 
     def union(self, other: StateSnapshot) -> StateSnapshot:
         """One snapshot of both captures' reads (two captures that gave one graph: it depends
-        on what either read)."""
+        on what either read). A value the two read differently does not decide the graph,
+        which both gave: it is dropped (the submodules' ``training`` flags of the captures of
+        two modes that gave the same code)."""
         new = object.__new__(StateSnapshot)
         for items, frozen in _PARTS:
             key = _key if items != "_walked" and items != "_configs" else _owner_key
             new.__dict__[items], new.__dict__[frozen] = _merged(
                 self.__dict__[items], self.__dict__[frozen],
                 other.__dict__[items], other.__dict__[frozen], key)
+        theirs = {_key(item): value for item, value
+                  in zip(other._values, other._frozen_values)}
+        kept = [(item, value) for item, value in zip(new._values, new._frozen_values)
+                if _key(item) not in theirs or _same(value, theirs[_key(item)])]
+        new._values, new._frozen_values = [i for i, _ in kept], [v for _, v in kept]
+        new._bind()
+        return new
+
+    def without_flags(self) -> StateSnapshot:
+        """This snapshot without the submodules' ``training`` flags: for a copy of the graph
+        that computes its mode whatever the flags (a converted module converted again)."""
+        new = object.__new__(StateSnapshot)
+        new.__dict__.update(self.__dict__)
+        kept = [(item, value) for item, value in zip(self._values, self._frozen_values)
+                if not (item.table == "__dict__" and item.key == "training")]
+        new._values, new._frozen_values = [i for i, _ in kept], [v for _, v in kept]
         new._bind()
         return new
 

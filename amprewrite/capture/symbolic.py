@@ -145,9 +145,11 @@ def _inplace_operator(fn: Any) -> Any:
     return record
 
 
-def capture_symbolic(model: nn.Module) -> fx.GraphModule:
+def capture_symbolic(model: nn.Module, share_leaves: bool = False) -> fx.GraphModule:
     """Trace ``model`` through its nn layers. Raises AmpRewriteError naming the construct the
-    tracer could not follow, and pointing at ``example_inputs`` (torch.export) instead."""
+    tracer could not follow, and pointing at ``example_inputs`` (torch.export) instead.
+    ``share_leaves``: the layers kept whole are the model's own (they run with its flags and
+    hooks at each call: a converted module whose submodules are the model's); else copies."""
     tracer = _AmpTracer()
     try:
         graph = tracer.trace(model)
@@ -159,7 +161,8 @@ def capture_symbolic(model: nn.Module) -> fx.GraphModule:
             "amprewrite.compile(model) for models with graph breaks."
         ) from exc
     gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
-    unshare_leaf_modules(gm)
+    if not share_leaves:
+        unshare_leaf_modules(gm)
     return gm
 
 

@@ -63,7 +63,7 @@ from .model_watch import ModelWatch, changes, report_global_hooks
 from ..runtime.tracing import tracing
 from ..runtime.weight_cache import CACHE_ATTR
 from .modes import NOT_CAPTURED_KEY, mode_name
-from .sharing import exchange_graphs, relink_graph, share_runtime
+from .sharing import exchange_graphs, own_modules, relink_graph, share_runtime
 from ..capture.snapshot import StateSnapshot
 
 __all__ = ["GraphCache", "Entry", "Recipe", "RefitFailed", "CACHE_KEY", "SERVES_ATTR",
@@ -122,6 +122,8 @@ class Recipe(Protocol):
     """Whether a capture takes the call's inputs (else the symbolic tracer needs none)."""
     can_recapture: bool
     """False for a converted module converted again: only its other mode can be captured."""
+    view: bool
+    """Whether the converted module's submodules are the model's (:mod:`.tree`)."""
 
     def __call__(self, gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any],
                  varying: frozenset[tuple[str, int]] = frozenset()) -> list[Entry]:
@@ -267,7 +269,14 @@ class GraphCache:
         """Hold the entry of ``training`` mode in the held entry's group, capturing it at the
         first switch to that mode (with the held entry's inputs: no call's inputs are at hand
         at ``gm.eval()``). Called by ``gm.train()``/``gm.eval()`` and by a call whose module's
-        flag was set without them."""
+        flag was set without them. The graph's own modules (a sub-graph whose flag a fused
+        kernel reads) take the mode: they are no children for ``train()`` to reach."""
+        self._switch(gm, training)
+        for module in own_modules(gm):
+            if module.training is not training:
+                module.train(training)
+
+    def _switch(self, gm: fx.GraphModule, training: bool) -> None:
         held = self.held
         if held is None or training in held.modes:
             return
@@ -289,6 +298,19 @@ class GraphCache:
         as they are): a later switch of the model's is followed from here."""
         if self.model is not None:
             self.model_mode = self.model.training
+
+    def _follow_model_mode(self, gm: fx.GraphModule) -> None:
+        """The model switched mode since the last call (``model.eval()``): so does ``gm``.
+        Where ``gm``'s submodules are the model's, its own flag only: they were switched
+        with the model, and a submodule switched back since (``model.bn.eval()`` after
+        ``model.train()``) stays as the user left it, as in eager."""
+        mode = self.model.training
+        if self.recipe.view:
+            gm.training = mode
+            self.switch(gm, mode)
+        else:
+            gm.train(mode)
+        self.model_mode = mode
 
     def graph_in(self, gm: fx.GraphModule, training: bool) -> fx.GraphModule:
         """The module holding the graph of ``training`` mode in the held group (``gm`` itself
@@ -329,7 +351,7 @@ class GraphCache:
         """Make ``gm`` hold the entry of its mode and the model's current state (module
         docstring)."""
         if self.model is not None and self.model.training is not self.model_mode:
-            gm.train(self.model.training)  # ``model.eval()`` / ``model.train()`` since
+            self._follow_model_mode(gm)  # ``model.eval()`` / ``model.train()`` since
         if self.held is None:
             self._first_capture(gm, args, kwargs)
             return

@@ -177,11 +177,18 @@ _UNPICKLABLE = (
 
 
 def _reduce_converted(self: fx.GraphModule) -> Any:
-    guards = self._modules.get(GUARDS_ATTR)
+    guards = getattr(self, GUARDS_ATTR, None)  # an attribute where the children are the model's
     if guards is not None and not isinstance(guards, InputGuards):
         raise TypeError(_UNPICKLABLE)
     rebuild, (body, import_block) = _reduced_unchanged(self)
     body["_tracer_cls"], body["_tracer_extras"] = _AmpTracer, {}  # NB: module docstring
+    # The graph's own modules, plain attributes where the children are the model's (.tree),
+    # are children of the loaded module: its tracer calls only installed submodules.
+    own = {name: value for name, value in body.items() if isinstance(value, nn.Module)}
+    if own:
+        body["_modules"] = {**body["_modules"], **own}
+        for name in own:
+            del body[name]
     body.pop(SERVES_ATTR, None)
     body.pop(FORWARD_ATTR, None)  # generated code: the load generates it again
     body.pop(CACHE_KEY, None)  # the other graphs and the model: not saved

@@ -77,11 +77,16 @@ def not_captured_graph(main: fx.GraphModule, training: bool, exc: BaseException 
 
 
 @contextlib.contextmanager
-def in_mode(model: nn.Module, training: bool) -> Iterator[None]:
+def in_mode(model: nn.Module, training: bool, root_only: bool = False) -> Iterator[None]:
     """``model`` in ``training`` mode (``model.train(training)``) during the block, every
-    module's flag put back after (a model may hold a frozen part in eval mode)."""
+    module's flag put back after (a model may hold a frozen part in eval mode). With
+    ``root_only``, the model's own flag only: its submodules' flags are the capture's to read
+    as they are (a converted module whose submodules are the model's runs them so)."""
     flags = [(m, m.training) for m in model.modules()]
-    model.train(training)
+    if root_only:
+        model.training = training
+    else:
+        model.train(training)
     try:
         yield
     finally:

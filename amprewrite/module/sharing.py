@@ -34,7 +34,7 @@ from ..runtime.weight_table import WEIGHTS_ATTR, WeightTable
 from ..capture.guards import InputGuards
 
 __all__ = ["FORWARD_ATTR", "share_state", "share_root_state", "share_runtime",
-           "exchange_graphs", "relink_graph", "mirrors"]
+           "exchange_graphs", "relink_graph", "mirrors", "own_modules"]
 
 FORWARD_ATTR = "_amp_forward"
 """``gm.__dict__[FORWARD_ATTR]``: the generated forward of the graph ``gm`` holds, which the
@@ -55,24 +55,27 @@ library registers on the module (they run whatever graph it holds)."""
 
 # ---------------------------------------------------------------------------------------------
 # one set of tensors
-def share_state(main: fx.GraphModule, other: fx.GraphModule) -> None:
+def share_state(main: fx.GraphModule, other: fx.GraphModule, view: bool = False) -> None:
     """Make ``other`` (a fresh capture of the other mode, before its passes) read its tensors
     and submodules from ``main``: the same root dicts, the same children. A tensor or child
     that ``main`` lacks is added to ``main`` (a parameter the other mode alone uses is still
     the model's); a root tensor of the same name but another value (a constant lifted out of
-    the other mode's code) is added under a new name, read by ``other``'s graph."""
+    the other mode's code) is added under a new name, read by ``other``'s graph. ``view``:
+    ``main``'s children are the model's (:mod:`.tree`), to which nothing is added: a child
+    of ``other`` that is not a mirror of one of them is ``other``'s own."""
     share_root_state(main, other, suffix="train" if other.meta.get(MODE_KEY) else "eval")
     own = {}
     for name, child in other._modules.items():
         held = main._modules.get(name)
-        if held is not None and held is not child and type(held) is not type(child) \
-                and mirrors(child, held):
-            continue  # ``main`` holds the model's own child (.tree): read it
-        if held is None and _holds_state(child):
+        if held is not None and held is not child and mirrors(child, held):
+            continue  # ``main`` holds the model's own child (.tree), or the same mirror
+        if view and held is not child:
+            own[name] = child
+        elif held is None and _holds_state(child):
             main.add_module(name, child)
         elif held is None or (held is not child and not _merge(held, child)):
             own[name] = child  # a graph's own: its input check, a sub-graph
-    other.__dict__["_modules"] = {**main._modules, **own}
+    other.__dict__["_modules"] = {**main._modules, **own}  # the passes may add to it
 
 
 def share_root_state(main: fx.GraphModule, other: fx.GraphModule, suffix: str) -> None:
@@ -193,6 +196,8 @@ def exchange_graphs(gm: fx.GraphModule, other: fx.GraphModule) -> None:
             mine[attr] = b
         if a is not _MISSING:
             theirs[attr] = a
+    if gm._modules is other._modules:
+        return  # the model's own children (.tree); the graphs' own modules are owned above
     for name in set(gm._modules) | set(other._modules):  # the graphs' own modules
         a, b = gm._modules.get(name), other._modules.get(name)
         if a is not b:
@@ -207,12 +212,22 @@ _RUNTIME_ATTRS = (CACHE_ATTR, LOW_COPIES_ATTR)
 
 
 def _plain_attrs(gm: fx.GraphModule) -> set[str]:
-    """Plain attributes of ``gm`` its graph reads (a constant a pass stored with ``setattr``):
-    the graph's own, exchanged with it."""
+    """Plain attributes of ``gm`` its graph reads or calls (a constant a pass stored with
+    ``setattr``; torch.export's input check and the sub-graphs, kept out of the tree of a
+    converted module whose children are the model's, :mod:`.tree`): the graph's own,
+    exchanged with it."""
     own = gm.__dict__
-    return {str(n.target) for n in gm.graph.find_nodes(op="get_attr")
+    nodes = [*gm.graph.find_nodes(op="get_attr"), *gm.graph.find_nodes(op="call_module")]
+    return {str(n.target) for n in nodes
             if "." not in str(n.target) and str(n.target) in own
             and str(n.target) not in _RUNTIME_ATTRS and str(n.target) not in _GRAPH_ATTRS}
+
+
+def own_modules(gm: fx.GraphModule) -> list[nn.Module]:
+    """The modules of the graph ``gm`` holds that are plain attributes of ``gm``, not children
+    (:mod:`.tree`): a ``gm.train()`` recursing over the children does not reach them."""
+    own = gm.__dict__
+    return [own[name] for name in _plain_attrs(gm) if isinstance(own[name], nn.Module)]
 
 
 def _put(modules: dict[str, Any], name: str, module: Any) -> None:
@@ -226,10 +241,11 @@ def relink_graph(main: fx.GraphModule, holder: fx.GraphModule) -> None:
     """Share ``main``'s tensors with ``holder`` again after ``main`` was rebuilt
     (``copy.deepcopy`` builds the copy's dicts afresh), and point its weight table at the
     rebuilt modules."""
-    own = {k: v for k, v in holder._modules.items() if main._modules.get(k) is not v}
     for attr in _SHARED_DICTS:
         holder.__dict__[attr] = main.__dict__[attr]
-    holder.__dict__["_modules"] = {**main._modules, **own}
+    if holder._modules is not main._modules:  # else both hold the model's own (.tree)
+        own = {k: v for k, v in holder._modules.items() if main._modules.get(k) is not v}
+        holder.__dict__["_modules"] = {**main._modules, **own}
     share_runtime(main, holder)
     rebind_table(holder)
 

@@ -8,14 +8,23 @@ model's as it was at the capture: ``gm.parameters()``, ``gm.state_dict()``,
 After ``model.head = nn.Linear(...)`` an optimizer built over ``gm.parameters()`` would train
 the old head, ``gm.state_dict()`` would save it, and a ``load_state_dict`` would load into it.
 
-:func:`adopt_children` makes the converted module's children the model's own child modules
-(every one, those the graph never reads included), where the capture's mirror holds nothing
-but the model's tensors, so every path below the root is the model's. One root-level change
-is left to follow: a child replaced or added on the model itself (``model.head = ...``),
-and a tensor replaced on its root. :func:`register_view` follows them when they happen,
-through torch's global registration hooks, in the converted module and in every graph its
-cache keeps (:mod:`.cache`): the graphs share one tree, the model's, so none of them can run
-on a tree the model no longer has.
+:func:`adopt_children` makes the converted module's table of children the model's own
+``_modules`` dict, the same object, in the converted module and in every graph its cache
+keeps (:mod:`.cache`). Every path below the root is then the model's, whatever happens to it:
+a child replaced, added or deleted on the model (``model.head = ...``, ``del model.head``) or
+on the converted module (``gm.head = ...`` sets the model's), at once, with nothing to follow.
+The modules of a graph's own, torch.export's input check ``_guards_fn`` and the sub-graphs of
+higher-order ops and fused attention, become plain attributes of the module holding the
+graph (exchanged with it, :func:`~.sharing.exchange_graphs`): no helper is a child, so none
+is in ``named_modules()``, ``state_dict()`` or a trainer's count of modules in eval mode. A
+capture's module that is not a mirror of the model's child at its path (a mirror holding a
+tensor the model's child does not) is such a plain attribute too, which the graph reads in
+place of the child.
+
+One root-level change is left to follow: a tensor replaced on the model's root (the
+converted module's root holds the capture's constants beside the model's root tensors, so
+its tensor dicts are its own). :func:`register_view` follows it when it happens, through
+torch's global registration hooks.
 
 What a graph *computes* with is not read through this tree: its weight table binds the
 tensor dicts it was captured with (:mod:`amprewrite.runtime.weight_table`), and the cache's
@@ -25,13 +34,9 @@ So the tree is the view the model's users read, and the guard keeps the computat
 Before and after, for ``convert(model, (x,))`` of a model with ``fc`` and ``head``::
 
     gm.head                   # before: Module() holding head.weight, head.bias
-    gm.head is model.head     # after: True
+    gm._modules is model._modules                           # after: True
     model.head = nn.Linear(16, 3); gm.head is model.head   # after: True, at once
-
-The root stays the converted module's: it holds the capture's constants and the graph's own
-modules (torch.export's input check ``_guards_fn``, sub-graphs), which are not the model's.
-Not followed: a child deleted from the model's root (``del model.head``: no hook runs), and
-children written on the converted module (``gm.head = ...``), which replace the view's only.
+    [n for n, _ in gm.named_children()]                     # after: ['fc', 'head']
 """
 
 from __future__ import annotations
@@ -43,7 +48,6 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.nn.modules.module import (register_module_buffer_registration_hook,
-                                     register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
 
 from .cache import cache_of
@@ -62,26 +66,25 @@ _hooks_installed = [False]
 
 
 def adopt_children(gm: fx.GraphModule, model: nn.Module) -> None:
-    """Make ``gm``'s children the model's (module docstring), in the model's order, then
-    ``gm``'s own: a graph's modules, and a mirror holding a tensor the model's child does not
-    (kept as the capture made it). Idempotent."""
-    own = {}
+    """Make ``gm``'s table of children the model's (module docstring); each child of ``gm``
+    that is not the model's or a mirror of it becomes a plain attribute of ``gm``.
+    Idempotent."""
     theirs = model._modules
-    for name, child in gm._modules.items():
+    modules = gm.__dict__["_modules"]
+    if modules is theirs:
+        return
+    for name, child in modules.items():
         model_child = theirs.get(name)
         if child is model_child or (model_child is not None and mirrors(child, model_child)):
             continue
-        own[name] = child
-    modules = {name: child for name, child in theirs.items() if name not in own}
-    modules.update(own)
-    gm.__dict__["_modules"] = modules
+        gm.__dict__[name] = child  # the graph's own: read and called as an attribute
+    gm.__dict__["_modules"] = theirs
 
 
 def register_view(gm: fx.GraphModule, model: nn.Module) -> None:
-    """Follow the model's root from now on (module docstring): ``gm``'s children are the
-    model's (:func:`adopt_children` was applied to every graph of its cache)."""
+    """Follow the model's root tensors from now on (module docstring): ``gm``'s children are
+    the model's (:func:`adopt_children` was applied to every graph of its cache)."""
     if not _hooks_installed[0]:
-        register_module_module_registration_hook(_child_registered)
         register_module_parameter_registration_hook(_tensor_registered("_parameters"))
         register_module_buffer_registration_hook(_tensor_registered("_buffers"))
         _hooks_installed[0] = True
@@ -102,23 +105,6 @@ def trees(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
     for entry in cache.entries if cache is not None else ():
         if entry.holder is not None and entry.holder is not gm:
             yield entry.holder
-
-
-def _child_registered(module: nn.Module, name: str, child: Any) -> None:
-    """torch's hook, before ``module._modules[name] = child``: where ``module`` is a model
-    with views, each view's tree takes the new child where it held the model's old one."""
-    if torch.compiler.is_compiling():
-        return None  # a forward registering a module while Dynamo traces it: not a view's
-    views = _VIEWS.get(module)
-    if not views:
-        return None
-    old = module._modules.get(name)
-    for gm in list(views):
-        for tree in trees(gm):
-            modules = tree._modules
-            if modules.get(name) is old:  # absent where the model adds a child
-                modules[name] = child
-    return None  # NB: a value would replace the child being registered
 
 
 def _tensor_registered(kind: str) -> Any:

@@ -222,6 +222,26 @@ def test_the_models_attributes_and_methods_are_the_converted_modules() -> None:
     assert not hasattr(nn.Linear(2, 2), "helper")  # other modules' classes are left alone
 
 
+def test_an_attribute_the_model_gets_after_conversion_is_the_converted_modules() -> None:
+    """``model.x = ...`` after ``convert`` (a library's marker, a flag a trainer sets) reads
+    on the converted module, as the model's at every moment; a method set on the model
+    instance is refused: it is bound to the model and would run its fp32 forward."""
+    model = Tokens()
+    gm = amprewrite.convert(model, (), example_kwargs=_batch(7), policy=PRESET)
+    with pytest.raises(AttributeError, match="is_parallelizable"):
+        gm.is_parallelizable
+    model.is_parallelizable = True
+    assert gm.is_parallelizable is True
+    model.is_parallelizable = False
+    assert gm.is_parallelizable is False and getattr(gm, "is_parallelizable", None) is False
+    model.predict = model.helper.__get__(model)  # bound to the model
+    with pytest.raises(AttributeError, match="run the model's own forward in fp32"):
+        gm.predict
+    assert torch.equal(gm.lin.weight, model.lin.weight)  # tensors and children come first
+    with torch.no_grad():
+        assert torch.equal(gm(**_batch(7)), _eager(model, **_batch(7)))
+
+
 class Flagged(nn.Module):
     def __init__(self) -> None:
         super().__init__()

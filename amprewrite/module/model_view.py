@@ -16,9 +16,13 @@ GraphModule, so no other module changes):
   not its parameters, buffers, submodules or torch's bookkeeping) as a property that reads
   and writes the model's: the value at every moment, not a copy made at conversion.
 
-NB: a class ``__getattr__`` would reach names set on the model after conversion too, but
-Dynamo then guards every attribute read of a compiled converted module through it (a Python
-check per call); the class attributes here are read only where used.
+An attribute the model gets **after** conversion (``model.is_parallelizable = True``, a
+library's marker) is reached through the class's ``__getattr__`` (:func:`_model_getattr`),
+which Python calls only where every other lookup failed: it reads the model's instance
+attribute, or what the model's own ``__getattr__`` hands out (PEFT's model forwards to its
+base model), never a method bound to the model (which would run the model's fp32 forward:
+an ``AttributeError`` says so). The attributes the model had at conversion keep their
+properties, which Dynamo reads as plain attributes.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 import torch.fx as fx
 import torch.nn as nn
 
-from .cache import cache_of
+from .cache import CACHE_KEY, cache_of
 
 __all__ = ["adopt_model", "model_of"]
 
@@ -58,6 +62,33 @@ def adopt_model(gm: fx.GraphModule, model: nn.Module, signature: bool = True) ->
                 name.startswith(("__", "_amp")):
             continue
         setattr(cls, name, _ModelAttribute(name))
+    cls.__getattr__ = _model_getattr
+
+
+def _model_getattr(gm: Any, name: str) -> Any:
+    """``nn.Module.__getattr__`` (the converted module's tensors and children), then the
+    model's attribute of that name (module docstring)."""
+    try:
+        return nn.Module.__getattr__(gm, name)
+    except AttributeError:
+        if name.startswith(("__", "_amp")) or name in _BOOKKEEPING:
+            raise
+        model = getattr(gm.__dict__.get(CACHE_KEY), "model", None)
+        if model is None:
+            raise
+    try:
+        value = getattr(model, name)
+    except AttributeError:
+        raise AttributeError(f"'{type(gm).__name__}' object has no attribute '{name}' (nor has "
+                             "the model it was converted from)") from None
+    if inspect.ismethod(value) and value.__self__ is model:
+        raise AttributeError(
+            f"'{type(gm).__name__}' object has no attribute '{name}': the model it was "
+            f"converted from has it as a method bound to the model ({type(model).__name__}"
+            f".{name}), which would run the model's own forward in fp32, not the converted "
+            "one. Define the method on the model's class before amprewrite.convert (its "
+            "methods run on the converted module), or call it on the model.")
+    return value
 
 
 def adopt_signature(gm: fx.GraphModule, model: nn.Module) -> None:

@@ -22,8 +22,8 @@ from .module.tree import adopt_children, register_view, view_model
 from .module.isolation import CAPTURE_LOCK, outside_modes
 from .capture.logs import quiet_capture_logs
 from .capture.persistence import match_persistence
-from .capture.reads import (Reads, note_leaf_modules, recording_reads, restore_classes,
-                            restore_writes)
+from .capture.reads import (Reads, note_forward, note_leaf_modules, recording_reads,
+                            restore_classes, restore_writes)
 from .capture.state import preserved_global_state
 from .capture.symbolic import capture_symbolic, propagate_meta
 from .errors import AmpRewriteError, user_stacklevel
@@ -413,6 +413,7 @@ def _recorded(model: nn.Module, capture: Callable[[], fx.GraphModule], flags: bo
             "outside the forward, or use amprewrite.compile(model), which replays the write "
             "after each compiled graph. The model was left as it was.")
     _check_seen(reads, model)
+    note_forward(reads, model)  # NB: the symbolic tracer reads the class's, never looks it up
     note_leaf_modules(reads, model, gm)
     gm.meta[STATE_KEY] = StateSnapshot(reads, model)
     return gm

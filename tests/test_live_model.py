@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import types
 import warnings
 from typing import Any, Callable, Iterator
 
@@ -114,8 +115,15 @@ def _add_extra(model: nn.Module) -> None:
     model.block.extra = nn.Linear(8, 8)
 
 
+def _forward_on_the_instance(model: nn.Module) -> None:
+    block = model.block
+    block.forward = types.MethodType(lambda self, x: torch.tanh(self.fc(x)), block)
+
+
 # (id, change, what the warning names)
 CHANGES = [
+    ("forward set on a submodule", _forward_on_the_instance,
+     "block.forward: set on the instance"),
     ("bool flag", _set("block.use_gate", False), "block.use_gate: True -> False"),
     ("float attribute", _set("block.temperature", 2.0), "block.temperature: 1.0 -> 2.0"),
     ("head replaced, same shape", _new_head(4), "head: replaced (Linear -> Linear)"),
@@ -143,6 +151,52 @@ def test_a_change_of_python_state_is_followed(capture: str, opt_level: str,
         assert not torch.equal(after, before) if after.shape == before.shape else True
         with _silent():
             assert torch.equal(gm(X), want)  # captured once
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic"])
+def test_a_forward_replaced_on_the_class_or_a_base_is_followed(capture: str) -> None:
+    """A class's forward replaced after conversion (a library patching a layer class, a
+    notebook redefining it): followed at the next call, bitwise with eager autocast, and put
+    back, the first graph again."""
+
+    class Base(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x)
+
+    class Layer(Base):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Layer(), nn.Linear(8, 4)).eval()
+    gm = _convert(model, capture)
+    original = Base.forward
+    with torch.no_grad():
+        first = gm(X)
+        Base.forward = lambda self, x: torch.sigmoid(self.fc(x))
+        with _captures_again("Base.forward: function Base.forward -> function"):
+            assert torch.equal(gm(X), _reference(model, capture, "O1"))
+        Layer.forward = lambda self, x: self.fc(x) * 3  # a subclass now defines one
+        with _captures_again("Layer.forward: set on the instance"):
+            assert torch.equal(gm(X), _reference(model, capture, "O1"))
+        del Layer.forward
+        Base.forward = original
+        with _silent():
+            assert torch.equal(gm(X), first)
+
+
+def test_a_forward_set_on_the_root_is_followed_or_refused() -> None:
+    """torch.export calls the model as eager does and follows an instance forward; the
+    symbolic tracer traces the class's forward, so a capture of a model whose forward is set
+    on the instance is refused, naming the fix."""
+    model = _model()
+    gm = _convert(model, "export")
+    model.forward = types.MethodType(lambda self, x: self.head(self.block(x)), model)
+    with torch.no_grad(), _captures_again("forward: set on the instance"):
+        assert torch.equal(gm(X), _reference(model, "export", "O1"))
+    with pytest.raises(AmpRewriteError, match="forward set on the instance.*example_inputs"):
+        _convert(model, "symbolic")
 
 
 @pytest.mark.parametrize("capture", ["export", "symbolic"])

@@ -23,6 +23,10 @@ What is noted, per module of the model (objects the forward makes, such as the s
   (:attr:`Reads.absent`), since setting it later would shadow it;
 * the table of submodules read as a whole (iterating a ``ModuleList``): :attr:`Reads.walked`;
 * a parameter or buffer read: its slot (:attr:`Reads.tensors`);
+* its ``forward`` (looked up by each call of it): the instance's own, or the function its
+  class provides, found in the class dicts along its method resolution order
+  (:attr:`Reads.values` and :attr:`Reads.absent`, owned by the classes), so that a forward
+  replaced on the instance or on its class after conversion is a change;
 * a *config object* read from a module (an HF ``PretrainedConfig``, any dataclass instance,
   ``SimpleNamespace``, or an object with ``to_dict``): the whole object (:attr:`Reads.configs`),
   since the forward reads it through helpers the recording cannot see into.
@@ -50,7 +54,7 @@ import torch.nn as nn
 from ..graph.meta import CONVERTED_KEY
 
 __all__ = ["Reads", "recording_reads", "is_config", "restore_classes", "note_leaf_modules",
-           "restore_writes"]
+           "restore_writes", "note_forward"]
 
 _MODULE_INTERNALS = frozenset(dir(nn.Module)) | frozenset(nn.Module().__dict__) | {"__dict__"}
 """Names that are torch's bookkeeping, not the model's state (``training``: see above)."""
@@ -135,6 +139,9 @@ def _note_getattribute(module: nn.Module, name: str, value: Any) -> None:
     reads = _active[-1]
     if id(module) not in reads.owners:
         return  # an object the forward made (a ModuleList slice), not the model's
+    if name == "forward":
+        note_forward(reads, module)
+        return
     if name in _MODULE_INTERNALS or name.startswith("__"):
         if name == "training" and reads.flags and module is not reads.root:
             reads.found(module, "__dict__", name, value)
@@ -145,6 +152,23 @@ def _note_getattribute(module: nn.Module, name: str, value: Any) -> None:
         reads.found(module, "__dict__", name, value)
     elif not _is_data_descriptor(type(module), name):
         reads.missing(module, "__dict__", name)  # an instance value would shadow the class's
+
+
+def note_forward(reads: Reads, module: nn.Module) -> None:
+    """``module.forward`` looked up (its call): the instance's own, or else the function its
+    class's method resolution finds, and that no class before it defines one (a forward set
+    on the instance, or on its class or a base, after conversion, is another forward)."""
+    own = object.__getattribute__(module, "__dict__")
+    if "forward" in own:
+        reads.found(module, "__dict__", "forward", own["forward"])
+        return
+    reads.missing(module, "__dict__", "forward")
+    cls = type(module)
+    for klass in _ORIGINAL.get(cls, cls).__mro__:
+        if "forward" in vars(klass):
+            reads.found(klass, "__dict__", "forward", vars(klass)["forward"])
+            return
+        reads.missing(klass, "__dict__", "forward")
 
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)

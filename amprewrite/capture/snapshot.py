@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import enum
 import operator
+import types
 from typing import Any, NamedTuple
 
 import torch
@@ -99,7 +100,8 @@ class StateSnapshot:
 
         def named(slot: Slot) -> _Item:
             owner, table, key = slot
-            return _Item(owner, table, key, _join(path.get(id(owner), "?"), key))
+            where = _qualname(owner) if isinstance(owner, type) else path.get(id(owner), "?")
+            return _Item(owner, table, key, _join(where, key))
 
         self._values = [named(slot) for slot in reads.values.values()]
         self._frozen_values = [freeze(_holder(i)[i.key], configs) for i in self._values]
@@ -317,6 +319,11 @@ def _table_changes(name: str, frozen: dict[str, Any], live: dict[str, Any]) -> l
     return out
 
 
+def _qualname(obj: Any) -> str:
+    """A class's or function's qualified name without the enclosing function's locals."""
+    return obj.__qualname__.rpartition("<locals>.")[2]
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, Same):
         value = value.obj
@@ -324,6 +331,8 @@ def _describe(value: Any) -> str:
         return f"tensor{tuple(value.shape)}"
     if isinstance(value, nn.Module):
         return type(value).__name__
+    if isinstance(value, (types.FunctionType, types.MethodType)):
+        return f"function {_qualname(value)}"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 

@@ -150,6 +150,13 @@ def capture_symbolic(model: nn.Module, share_leaves: bool = False) -> fx.GraphMo
     tracer could not follow, and pointing at ``example_inputs`` (torch.export) instead.
     ``share_leaves``: the layers kept whole are the model's own (they run with its flags and
     hooks at each call: a converted module whose submodules are the model's); else copies."""
+    if "forward" in model.__dict__:
+        raise AmpRewriteError(
+            f"{type(model).__name__} has a forward set on the instance (model.forward = ...), "
+            "which the symbolic tracer does not follow: it traces the class's forward, and the "
+            "converted module would compute something else than model(x). Pass "
+            "example_inputs=(...) to capture with torch.export, which calls the model as "
+            "eager does, or set the forward on the class.")
     tracer = _AmpTracer()
     try:
         graph = tracer.trace(model)

@@ -56,6 +56,7 @@ from .custom_functions import custom_functions_in
 from .layerdrop import DecidedDraws
 from .facts import GRAD_KEY, LIFTED_CONSTANTS, REGION_KEY, TRACED_IN_FP32, Region
 from .guards import fast_input_guards
+from .keywords import named_keywords
 
 __all__ = ["capture_export", "dynamic_dims", "dynamic_shapes", "DynamicDims", "Regime",
            "autocast_regime"]
@@ -149,6 +150,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, shapes
             stack.enter_context(_FaithfulConversions())
         if regime is not None:
             stack.enter_context(autocast_regime(*regime))
+        shapes = stack.enter_context(named_keywords(model, kwargs, shapes))
         ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
     if checkpoints.sites:
         warnings.warn(

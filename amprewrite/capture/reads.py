@@ -52,6 +52,7 @@ import torch
 import torch.nn as nn
 
 from ..graph.meta import CONVERTED_KEY
+from .keywords import is_presented
 
 __all__ = ["Reads", "recording_reads", "is_config", "restore_classes", "note_leaf_modules",
            "restore_writes", "note_forward"]
@@ -160,7 +161,8 @@ def note_forward(reads: Reads, module: nn.Module) -> None:
     on the instance, or on its class or a base, after conversion, is another forward)."""
     own = object.__getattribute__(module, "__dict__")
     if "forward" in own:
-        reads.found(module, "__dict__", "forward", own["forward"])
+        if not is_presented(own["forward"]):  # not the model's: the capture's own
+            reads.found(module, "__dict__", "forward", own["forward"])
         return
     reads.missing(module, "__dict__", "forward")
     cls = type(module)

@@ -143,14 +143,16 @@ def _called_with(spec: InputSpec, got: Any) -> str:
     return InputSpec(spec.name, got.dtype, shape).describe()
 
 
-def input_mismatch(gm: nn.Module, model_name: str, args: tuple, kwargs: dict[str, Any]
-                   ) -> str | None:
+def input_mismatch(gm: nn.Module, model_name: str, args: tuple, kwargs: dict[str, Any],
+                   named_by: nn.Module | None = None) -> str | None:
     """A message naming the arguments of a failed call that differ from the capture's, or
-    None if they all fit (then the failure has another cause)."""
+    None if they all fit (then the failure has another cause). ``named_by``: the module
+    whose ``forward`` names the call's arguments, where ``gm`` is another graph of it (whose
+    generated forward names them as its capture did)."""
     specs = getattr(gm, "meta", {}).get(INPUTS_KEY)
     if not specs:
         return None
-    named = _named_or_none(gm, args, kwargs)
+    named = _named_or_none(gm if named_by is None else named_by, args, kwargs)
     if named is None:
         return None  # NB: never raise here: the caller is handling the model's own error
     lines = [f"  {spec.name}: captured for {spec.describe()}, called with "

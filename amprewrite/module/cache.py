@@ -419,7 +419,7 @@ class GraphCache:
         def fits(entry: Entry) -> bool:
             state = entry.state(gm)
             return gm.training in entry.modes and state is not None and state.holds() and \
-                input_mismatch(entry.graph(gm), "", args, kwargs) is None
+                input_mismatch(entry.graph(gm), "", args, kwargs, named_by=gm) is None
 
         if self._hold_first(gm, fits):
             return True
@@ -431,7 +431,8 @@ class GraphCache:
         message = input_mismatch(gm, type(gm).__name__, args, kwargs) or ""
         what = "; ".join(line.strip() for line in message.splitlines()[1:]
                          if line.startswith("  ")) or "other inputs"
-        wanted = frozenset(dims or ()) - self.fixed_dims
+        changed = frozenset(dims or ())
+        wanted = changed - self.fixed_dims
         if dims and not scalars:  # never refused: a size the model fixes evicts the oldest
             self._refuse(gm, [what], state=False, bound=False)
             if self._group_count() >= MAX_STATES:
@@ -439,8 +440,10 @@ class GraphCache:
         else:
             self._refuse(gm, [what], state=bool(scalars))
         try:
-            if wanted:
-                self._capture_dynamic(gm, args, kwargs, wanted, what)
+            if wanted:  # NB: with the fixed ones that changed too: a size fixed by another
+                # that was static then (a mask's length by the KV cache's) may be free now
+                self._capture_dynamic(gm, args, kwargs, wanted | (changed & self.fixed_dims),
+                                      what)
             else:
                 self._capture_new(gm, args, kwargs, self._recaptured(type(gm).__name__, what))
         except RecaptureWarning:
@@ -463,7 +466,7 @@ class GraphCache:
         # NB: torch.export always fixes a size of 0 or 1 (a decode step's length 1): that is
         # the example's doing, and the next call of another size tries again
         fixed = {key for key in wanted - dynamic if sizes[key] not in (0, 1)}
-        self.fixed_dims |= fixed
+        self.fixed_dims = (self.fixed_dims - dynamic) | fixed
         old = self.held.group
         name = type(gm).__name__
         made = ", ".join(f"{n} dimension {d}" for n, d in sorted(wanted & dynamic))

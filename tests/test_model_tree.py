@@ -170,6 +170,28 @@ def test_a_child_deleted_or_set_on_either_is_the_others(route: str) -> None:
     assert "head" not in model._modules
 
 
+@pytest.mark.parametrize("route", ROUTES)
+def test_tensors_added_to_the_models_root_are_the_converted_modules(route: str) -> None:
+    """A parameter and buffers registered on the model's root after conversion: in
+    ``gm.parameters()`` and ``gm.state_dict()`` as in the model's (a non-persistent buffer in
+    neither), and a state dict round-trips between the two, strictly."""
+    model = Net()
+    gm = _convert(model, route)
+    model.bonus = nn.Parameter(torch.ones(2))
+    model.register_buffer("seen", torch.zeros(3))
+    model.register_buffer("scratch", torch.zeros(3), persistent=False)
+    assert gm.bonus is model.bonus and gm.seen is model.seen and gm.scratch is model.scratch
+    assert any(p is model.bonus for p in gm.parameters())
+    assert list(gm.state_dict()) == list(model.state_dict())
+    assert "scratch" not in gm.state_dict()
+    saved = {k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()}
+    gm.load_state_dict(saved)  # strict: the same keys
+    assert torch.equal(model.bonus, saved["bonus"]) and torch.equal(model.seen, saved["seen"])
+    model.load_state_dict(gm.state_dict())
+    twin = copy.deepcopy(gm)
+    assert list(twin.state_dict()) == list(model.state_dict())
+
+
 def test_every_kept_graph_reads_the_models_tree_when_its_state_returns() -> None:
     """Replace the head (a new graph), put the old head back (the first graph again): each
     call computes with the head the model holds, bitwise."""

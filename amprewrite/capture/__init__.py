@@ -1,6 +1,7 @@
 """From a model to a GraphModule whose weights are ``get_attr`` nodes: the symbolic tracer
 (``symbolic``), ``torch.export`` in the AMP regime (``export``), a module already converted
-(``converted``), torch.export's input-shape check without its per-call Dynamo patch
+(``converted``), the keywords of a forward's ``**kwargs`` named for torch.export's dynamic
+shapes (``keywords``), torch.export's input-shape check without its per-call Dynamo patch
 (``guards``), what a capture read of the model and the check that it still holds (``reads``,
 ``snapshot``), the facts capture leaves on nodes for the passes (``facts``), user-defined
 autograd Functions found in a graph (``custom_functions``), LayerDrop decided while tracing

@@ -21,10 +21,12 @@ capture's module that is not a mirror of the model's child at its path (a mirror
 tensor the model's child does not) is such a plain attribute too, which the graph reads in
 place of the child.
 
-One root-level change is left to follow: a tensor replaced on the model's root (the
-converted module's root holds the capture's constants beside the model's root tensors, so
-its tensor dicts are its own). :func:`register_view` follows it when it happens, through
-torch's global registration hooks.
+One root-level change is left to follow: a tensor replaced on or added to the model's root
+(the converted module's root holds the capture's constants beside the model's root tensors,
+so its tensor dicts are its own). :func:`register_view` follows it when it happens, through
+torch's global registration hooks, and reads the model's set of non-persistent buffer names
+live beside its own (:class:`_RootNames`): a buffer the model registers later with
+``persistent=False`` stays out of ``gm.state_dict()`` as out of the model's.
 
 What a graph *computes* with is not read through this tree: its weight table binds the
 tensor dicts it was captured with (:mod:`amprewrite.runtime.weight_table`), and the cache's
@@ -90,6 +92,24 @@ def register_view(gm: fx.GraphModule, model: nn.Module) -> None:
         _hooks_installed[0] = True
     _VIEWS.setdefault(model, weakref.WeakSet()).add(gm)
     _MODEL_OF[gm] = weakref.ref(model)
+    gm.__dict__["_non_persistent_buffers_set"] = _RootNames(
+        gm._non_persistent_buffers_set, model._non_persistent_buffers_set)
+
+
+class _RootNames(set):
+    """The converted module's non-persistent root buffers: its own (the capture's constants),
+    and the model's, read live (a buffer the model registers later, :func:`register_view`).
+    torch reads the set with ``in`` (``state_dict``, ``load_state_dict``)."""
+
+    def __init__(self, own: set[str], model_names: set[str]) -> None:
+        super().__init__(own)
+        self.model_names = model_names
+
+    def __contains__(self, name: object) -> bool:
+        return set.__contains__(self, name) or name in self.model_names
+
+    def __reduce__(self) -> Any:
+        return (_RootNames, (set(self), self.model_names))
 
 
 def view_model(gm: nn.Module) -> nn.Module | None:
@@ -110,7 +130,8 @@ def trees(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
 def _tensor_registered(kind: str) -> Any:
     def hook(module: nn.Module, name: str, tensor: Any) -> None:
         """Before ``module.<kind>[name] = tensor``: a view holding the model's old tensor at
-        its root (the graphs share the root's dicts) takes the new one."""
+        its root (the graphs share the root's dicts) takes the new one, and a tensor new to
+        the model's root is the view's too."""
         if torch.compiler.is_compiling():
             return None  # NB: Dynamo would guard on the registry of views
         views = _VIEWS.get(module)
@@ -119,8 +140,9 @@ def _tensor_registered(kind: str) -> Any:
         old = getattr(module, kind).get(name)
         for gm in list(views):
             held = gm.__dict__[kind]
-            if name in held and held[name] is old and old is not None:
-                held[name] = tensor
+            if name in held and held[name] is old or name not in held and \
+                    name not in gm.__dict__ and name not in gm._modules:
+                held[name] = tensor  # replaced, or new to the model's root: the view's too
         return None
 
     return hook

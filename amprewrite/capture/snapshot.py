@@ -211,19 +211,20 @@ class StateSnapshot:
                 other.__dict__[items], other.__dict__[frozen], key)
         theirs = {_key(item): value for item, value
                   in zip(other._values, other._frozen_values)}
-        kept = [(item, value) for item, value in zip(new._values, new._frozen_values)
-                if _key(item) not in theirs or _same(value, theirs[_key(item)])]
-        new._values, new._frozen_values = [i for i, _ in kept], [v for _, v in kept]
-        new._bind()
-        return new
+        return new._keeping(lambda item, value: _key(item) not in theirs
+                            or _same(value, theirs[_key(item)]))
 
     def without_flags(self) -> StateSnapshot:
         """This snapshot without the submodules' ``training`` flags: for a copy of the graph
         that computes its mode whatever the flags (a converted module converted again)."""
+        return self._keeping(
+            lambda item, _: not (item.table == "__dict__" and item.key == "training"))
+
+    def _keeping(self, keep: Any) -> StateSnapshot:
+        """A snapshot of the attribute values ``keep(item, frozen)`` keeps, the rest as here."""
         new = object.__new__(StateSnapshot)
         new.__dict__.update(self.__dict__)
-        kept = [(item, value) for item, value in zip(self._values, self._frozen_values)
-                if not (item.table == "__dict__" and item.key == "training")]
+        kept = [(i, v) for i, v in zip(self._values, self._frozen_values) if keep(i, v)]
         new._values, new._frozen_values = [i for i, _ in kept], [v for _, v in kept]
         new._bind()
         return new

@@ -434,6 +434,19 @@ def test_hooks_registered_on_the_model_after_conversion_warn_once(register: str)
     assert not calls
 
 
+def test_a_hook_on_a_layer_the_graph_calls_runs_without_a_warning() -> None:
+    """The symbolic capture calls the model's own batch-norm layer: a hook registered on it
+    after conversion runs at each call, as in eager, and is not reported."""
+    model = nn.Sequential(nn.Linear(X.shape[1], 4), nn.BatchNorm1d(4)).eval()
+    gm = convert(model, capture="symbolic")
+    calls: list[int] = []
+    model[1].register_forward_hook(lambda *a: calls.append(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gm(X)
+    assert calls == [1]
+
+
 def test_hooks_registered_before_conversion_do_not_warn() -> None:
     model = mlp()
     model[0].register_forward_hook(lambda *a: None)

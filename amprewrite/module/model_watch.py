@@ -15,7 +15,8 @@ the common path). Then it
   with what the model holds and what its optimizer trains;
 * warns once about a tensor replaced on the converted module instead (``gm.load_state_dict(sd,
   assign=True)``), which the model no longer shares: saving the model would save the old one;
-* warns once per hook registered on the model's submodules after conversion.
+* warns once per hook registered on the model's submodules after conversion (not on a
+  layer the graph calls, which runs its hooks itself: the symbolic capture's batch norm).
 
 O3 modules are their own low-precision copy of the model (``convert`` says so): no watch.
 A copy of the converted module (``copy.deepcopy``, pickling) shares nothing with the model,
@@ -77,7 +78,7 @@ class ModelWatch:
     """Keeps a converted module's tensors the model's own, and reports model hooks it cannot
     run (module docstring)."""
 
-    def __init__(self, gm: nn.Module, model: nn.Module) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, model: nn.Module) -> None:
         if not _counting[0]:
             register_module_parameter_registration_hook(_count_registration)
             register_module_buffer_registration_hook(_count_registration)
@@ -87,6 +88,9 @@ class ModelWatch:
         self._shared = [weakref.ref(_held(s.own_owner, s)) for s in self._slots]
         """Each slot's tensor as last shared, weakly (see _Slot.model_owner)."""
         self._hooks = set(_hook_ids(model))
+        self._called = frozenset(str(n.target) for n in gm.graph.find_nodes(op="call_module"))
+        """The model's submodules the graph calls (the layers a symbolic capture keeps
+        whole): they run their hooks, whenever registered."""
         self._warned: set[Any] = set()
         self._stamp = changes()
 
@@ -127,6 +131,8 @@ class ModelWatch:
 
     def _report_new_hooks(self, model: nn.Module) -> None:
         for name, module in model.named_modules():
+            if name in self._called:
+                continue
             for kind in _HOOK_DICTS:
                 for hook_id in getattr(module, kind, {}):
                     if hook_id in self._hooks or hook_id in self._warned:

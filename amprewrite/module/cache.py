@@ -303,11 +303,11 @@ class GraphCache:
         """The model switched mode since the last call (``model.eval()``): so does ``gm``.
         Where ``gm``'s submodules are the model's, its own flag only: they were switched
         with the model, and a submodule switched back since (``model.bn.eval()`` after
-        ``model.train()``) stays as the user left it, as in eager."""
+        ``model.train()``) stays as the user left it, as in eager; :meth:`follow` then holds
+        the graph of the mode (its switch for a flag set without ``train()``)."""
         mode = self.model.training
         if self.recipe.view:
             gm.training = mode
-            self.switch(gm, mode)
         else:
             gm.train(mode)
         self.model_mode = mode

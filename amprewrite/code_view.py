@@ -44,7 +44,8 @@ def code_lines(gm: fx.GraphModule) -> list[CodeLine]:
     lines = getattr(gm, "_lineno_map", None) or {}
     start = getattr(gm, "_prologue_start", 0)
     out = []
-    for number, text in enumerate(gm.code.splitlines(), start=1):
+    # NB: gm._code, the text the line map counts in (gm.code leaves out its blank first lines)
+    for number, text in enumerate(gm._code.splitlines(), start=1):
         if not text.strip():
             continue
         index = lines.get(number - start)

@@ -56,6 +56,7 @@ from .errors import user_stacklevel
 from .graph.codegen import recompile_with_bindings
 from .graph.meta import META_KEY, cast_info, decision
 from .hardware import model_device, warn_if_slow
+from .passes.eliminate_casts import cast_report
 from .passes.pipeline import run_passes
 from .policy.policy import Policy, check_low_dtype, default_low_dtype
 from .runtime.weight_cache import CACHE_ATTR
@@ -351,6 +352,7 @@ def _share_leaf_casts(gm: fx.GraphModule) -> None:
                     first[key].name if c == node.name else c for c in rec.casts))
         node.replace_all_uses_with(first[key])
         gm.graph.erase_node(node)
+        cast_report(gm).eliminated["duplicate"] += 1  # explain() counts it as the pass's own
         merged = True
     if merged:
         gm.graph.lint()

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from .capture.converted import CONVERTED_KEY, MODEL_KEY, capture_converted, is_converted
 from .capture.export import DynamicDims, Regime, capture_export, dynamic_shapes
+from .capture.guards import refuse_float64
 from .module.first_call import placeholder_module
 from .module.cache import CACHE_KEY, STATE_KEY, Entry, GraphCache
 from .module.modes import MODE_KEY, NOT_CAPTURED_KEY, in_mode, mode_name, not_captured_graph
@@ -455,6 +456,7 @@ def _rewrite(gm: fx.GraphModule, model: nn.Module, options: ConvertOptions, pair
         run_passes(gm, policy, low)
         fast_path_attention(gm, policy, low)
         gm = gather_weights(gm)
+        refuse_float64(gm)  # the graph casts per op where autocast leaves float64 alone
     if pair.main is None:
         pair.main, pair.main_code = gm, code
     return gm

@@ -12,7 +12,8 @@ presentation (:func:`summary_lines`). Example (the demo's Llama)::
 
 Speed against ``torch.autocast`` is said with its certainty (:func:`speed_spread`,
 :func:`speed_sentence`): a median over interleaved rounds and the spread of the rounds, or
-"too noisy to tell" when they disagree on which is faster.
+"too noisy to tell" when they disagree on which is faster, or "the machine is too busy to
+tell" when some round ran several times slower than the others.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from .policy.tables import OpCategory
 __all__ = ["graph_facts", "count_forward_casts", "summary_lines", "precision_of",
            "short_dtype", "AS_FAST_WITHIN", "SpeedSpread", "speed_spread", "speed_verdict",
            "speed_words", "spread_words", "speed_sentence", "UNSURE", "SIZED_WITHIN",
-           "MIN_ROUNDS_TO_TELL"]
+           "MIN_ROUNDS_TO_TELL", "BUSY", "BUSY_FACTOR"]
 
 
 def short_dtype(dtype: Any) -> str:
@@ -139,6 +140,13 @@ the direction may hold but its size is noise (another job slowed whole rounds)."
 MIN_ROUNDS_TO_TELL = 3
 """Fewer rounds show no spread: no verdict is drawn from them."""
 UNSURE = "too noisy to tell"
+BUSY_FACTOR = 3.0
+"""A round whose time, on either side, is over this many times that side's median round
+was slowed as a whole by other work: a round keeps the fastest of its calls, so every call
+of it was that slow (other jobs only ever add time; a round faster than the median is no
+sign of them). Rounds that disagree that wildly judge the machine, not the model: the
+quartiles would hide the round, and the verdict would stand on a machine that cannot time."""
+BUSY = "the machine is too busy to tell"
 
 
 def speed_verdict(speedup: float) -> str:
@@ -163,6 +171,14 @@ class SpeedSpread:
     verdict: str
     """``"faster"``, ``"slower"``, ``"as fast"``, or :data:`UNSURE` (see
     :func:`speed_spread`)."""
+    slowest: float = 1.0
+    """The slowest round's time over the median round's, of the side where that is larger."""
+
+    @property
+    def busy(self) -> bool:
+        """Whether a round ran over :data:`BUSY_FACTOR` times slower than the median round:
+        the machine was too busy to time (the verdict is then :data:`UNSURE`)."""
+        return self.slowest > BUSY_FACTOR
 
     @property
     def sized(self) -> bool:
@@ -186,16 +202,18 @@ def speed_spread(rounds: Sequence[tuple[float, float]]) -> SpeedSpread:
         raise ValueError(f"speed_spread(rounds={list(rounds)!r}): every time must be positive")
     ratios = sorted(a / c for c, a in rounds)
     median = statistics.median(ratios)
+    slowest = max(max(side) / statistics.median(side) for side in zip(*rounds))
     if len(ratios) < MIN_ROUNDS_TO_TELL:
-        return SpeedSpread(median, ratios[0], ratios[-1], len(ratios), UNSURE)
+        return SpeedSpread(median, ratios[0], ratios[-1], len(ratios), UNSURE, slowest)
     low, _, high = statistics.quantiles(ratios, n=4, method="inclusive")
     verdict = speed_verdict(median)
     disagree = low < 1 - AS_FAST_WITHIN and high > 1 + AS_FAST_WITHIN
     # "as fast" is a size (within a few percent): rounds that do not agree on sizes cannot
     # say it.
-    if disagree or (verdict == "as fast" and high > low * SIZED_WITHIN):
+    if disagree or (verdict == "as fast" and high > low * SIZED_WITHIN) or \
+            slowest > BUSY_FACTOR:
         verdict = UNSURE
-    return SpeedSpread(median, low, high, len(ratios), verdict)
+    return SpeedSpread(median, low, high, len(ratios), verdict, slowest)
 
 
 def speed_words(speed: float) -> str:
@@ -219,9 +237,15 @@ def speed_sentence(spread: SpeedSpread) -> str:
     7 rounds)"``, or, when the rounds disagree, ``"about as fast as torch.autocast; too noisy
     to tell (0.80x-1.30x, middle half of 7 rounds)"``; a direction the rounds agree on
     but not its size: ``"1.68x torch.autocast's speed, faster; how much is too noisy to tell
-    (1.11x-17.56x, middle half of 5 rounds)"``."""
+    (1.11x-17.56x, middle half of 5 rounds)"``; a round many times slower than the others:
+    ``"no verdict: the machine is too busy to tell (its slowest round took 71x the median
+    round's time, of 7 rounds); run it again on a quiet machine"``."""
     if spread.rounds < MIN_ROUNDS_TO_TELL:
         return (f"{spread.ratio:.2f}x torch.autocast's speed in {spread_words(spread)}")
+    if spread.busy:
+        return (f"no verdict: {BUSY} (its slowest round took {spread.slowest:.0f}x the "
+                f"median round's time, of {spread.rounds} rounds); run it again on a quiet "
+                "machine")
     if spread.verdict == UNSURE:
         return f"about as fast as torch.autocast; {UNSURE} ({spread_words(spread)})"
     how_much = "" if spread.sized else f"; how much is {UNSURE}"

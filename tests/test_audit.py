@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 
 import amprewrite
-from amprewrite import AuditReport, OpRecord
+from amprewrite.audit.stats import output_stats
+from amprewrite import AuditReport, GradHistogram, OpRecord
 
 
 class Net(nn.Module):
@@ -133,8 +134,14 @@ def test_statistics_are_exact_for_each_dtype():
             t.clone()
         (r,) = report.records
         assert r.nonfinite == 2 + (dtype == torch.float16)  # 7e4 is inf in fp16
-        assert r.fp16_overflow == over, dtype
-        assert r.fp16_underflow == 1  # 1e-6 (1e-3 is a normal fp16 value)
+        # The statistics count 7e4 past fp16's max in every dtype; the record flags it only
+        # where fp16 holds the value (fp16), or would under the fp16 policy (bf16).
+        vec, _ = output_stats(t)
+        assert vec[4] == over, dtype
+        held = dtype != torch.float32
+        assert (r.fp16_overflow, r.fp16_underflow) == ((over, 1) if held else (0, 0)), dtype
+        assert vec[5] - vec[3] == 1  # 1e-6 underflows (1e-3 is a normal fp16 value)
+        assert (r.headroom_bits is None) == (not held)
         assert r.max_abs == (3.0 if dtype == torch.float16 else float(t[4]))
         assert r.min_nonzero_abs == float(t[2])
 
@@ -294,24 +301,52 @@ def test_aggregate_finds_the_first_producer():
 
 
 def test_grad_histogram_and_loss_scale():
-    w = torch.tensor([1.0, 2.0**-30, 2.0**-20, 3.0], requires_grad=True)
+    bf16 = torch.bfloat16
+    w = torch.tensor([1.0, 2.0**-30, 2.0**-20, 3.0], dtype=bf16, requires_grad=True)
     with amprewrite.audit() as report:
-        (w * torch.tensor([1.0, 1.0, 1.0, 1.0])).sum().backward()
+        (w * torch.ones(4, dtype=bf16)).sum().backward()
     hist = report.grad_histogram
     # The one recorded backward op is mul(expanded ones, other): four gradients equal to 1.
-    assert hist.max_abs == 1.0
+    assert hist.max_abs == 1.0 and hist.dtype == "bfloat16" and hist.what_if
     assert hist.recommended_loss_scale == 2.0**15  # 1 * 2**15 = 32768 <= 65504
     assert set(hist.counts) == {0}
-    v = torch.tensor([2.0**-30, 2.0**-20, 3.0, 0.0], requires_grad=True)
+    v = torch.tensor([2.0**-30, 2.0**-20, 3.0, 0.0], dtype=bf16, requires_grad=True)
     with amprewrite.audit() as report:
-        (v * torch.tensor([1.0, 1.0, 1.0, 1.0])).backward(torch.tensor([2.0**-30, 2.0**-20,
-                                                                        3.0, 0.0]))
+        (v * torch.ones(4, dtype=bf16)).backward(
+            torch.tensor([2.0**-30, 2.0**-20, 3.0, 0.0], dtype=bf16))
     hist = report.grad_histogram
     assert hist.counts == {-30: 1, -20: 1, 1: 1}
     assert hist.fp16_flush_fraction == pytest.approx(1 / 3)
     assert hist.recommended_loss_scale == 2.0**14  # 3 * 2**14 = 49152 <= 65504 < 3 * 2**15
     text = hist.table()
-    assert "2^-30" in text and "flush to 0" in text and "2^14 = 16384" in text
+    assert "2^-30" in text and "flush to 0" in text and "2^14 = 16384 (fp16 what-if" in text
+
+
+def test_loss_scale_counts_only_what_fp16_holds():
+    # fp32 backward values (a formula's internals, the loss's own gradient) never limit it.
+    w = torch.tensor([1e6, 2.0], requires_grad=True)
+    with amprewrite.audit() as report:
+        (w.rsqrt() * 1e5).sum().backward()
+    assert report.grad_histogram is None
+    h = torch.tensor([1e6, 2.0], requires_grad=True)
+    with amprewrite.audit() as report:
+        (h.half() * 4).float().mul(1e5).sum().backward()
+    # The backward casts the fp32 gradient 1e5 to fp16 (inf: 2 values), mul's backward
+    # passes them on (2 more); the fp32 ones are not counted.
+    hist = report.grad_histogram
+    assert (hist.dtype, hist.nonfinite, hist.overflowed) == ("float16", 4, True)
+    assert hist.recommended_loss_scale is None and "overflowed at the audited scale" in \
+        hist.advice()
+    # fp16 that held only subnormal gradients flushed others: an upper bound, and how to probe
+    t = torch.tensor([1.0, 2.0], dtype=torch.float16, requires_grad=True)
+    with amprewrite.audit() as report:
+        (t * 1.0).backward(torch.tensor([2.0**-20, 2.0**-30], dtype=torch.float16))
+    hist = report.grad_histogram
+    assert hist.needs_probe and hist.max_abs == 2.0**-20
+    assert hist.recommended_loss_scale == 2.0**35
+    assert "an upper bound" in hist.advice() and "multiplied by 3.43597e+10" in hist.advice()
+    assert not GradHistogram.from_dict(hist.to_dict()).what_if
+    assert GradHistogram.from_dict(hist.to_dict()) == hist
 
 
 def test_grad_histogram_plot(tmp_path):
@@ -403,8 +438,9 @@ def test_a_recording_failure_never_breaks_the_step(monkeypatch) -> None:
 
 
 class TinyAttention(nn.Module):
-    """Scores masked with ``finfo(float32).min`` (as HF models do), and an RMSNorm-like
-    ``pow`` whose backward overflows fp16 for a large input: the real risk."""
+    """Scores masked with ``finfo(dtype).min`` (as HF models do), and an RMSNorm-like
+    ``pow`` whose backward overflows fp16 for a large input: the real risk (in bf16, what
+    fp16 would meet)."""
 
     def __init__(self, fill: float) -> None:
         super().__init__()
@@ -415,13 +451,13 @@ class TinyAttention(nn.Module):
         n = x.shape[1]
         mask = torch.ones(n, n, dtype=torch.bool).triu(1)
         q = self.q(x)
-        scores = (q @ q.transpose(-1, -2)).float().masked_fill(mask, self.fill)
+        scores = (q @ q.transpose(-1, -2)).masked_fill(mask, self.fill)
         return scores.softmax(-1) @ x + x.pow(2) * 1e3
 
 
 def test_mask_sentinels_are_masking_not_overflow() -> None:
-    model = TinyAttention(torch.finfo(torch.float32).min)
-    x = torch.randn(2, 4, 8) * 20
+    model = TinyAttention(torch.finfo(torch.bfloat16).min).to(torch.bfloat16)
+    x = (torch.randn(2, 4, 8) * 20).to(torch.bfloat16)
     x.requires_grad_()
     with amprewrite.audit() as report:
         model(x).sum().backward()
@@ -434,6 +470,7 @@ def test_mask_sentinels_are_masking_not_overflow() -> None:
     assert risk[0].fp16_overflow and not risk[0].is_mask  # real risk first
     flags = [r.is_mask for r in risk]
     assert flags == sorted(flags)  # masks after every real risk
+    assert all(item["what_if"] for item in summary["top_overflow_risk"])
     text = report.table()
     assert "masking, not overflow" in text and "masked_fill at" in text
 

@@ -56,13 +56,13 @@ non-finite producers (inf/NaN from finite inputs, or NaN from NaN-free ones); fi
 ---  -------  -----  -------------  ---------  -----------
   3  forward  addmm  linear                              1
 
-  #  phase    op               node/module    dtype      max finite |x|    fp16 headroom (bits)
----  -------  ---------------  -------------  -------  ----------------  ----------------------
-  3  forward  addmm            linear         f16                   300          overflowed (1)
-  4  forward  relu             relu           f16                   300          overflowed (1)
-  1  forward  cast (_to_copy)  fc_weight_f16  f16                   400                     7.4
-  5  forward  cast (_to_copy)                 f32                   300                     7.8
-  2  forward  cast (_to_copy)  x_f16          f16                   100                     9.4
+  #  phase     op               node/module    dtype      max finite |x|    fp16 headroom (bits)
+---  --------  ---------------  -------------  -------  ----------------  ----------------------
+  3  forward   addmm            linear         f16                   300          overflowed (1)
+  4  forward   relu             relu           f16                   300          overflowed (1)
+  1  forward   cast (_to_copy)  fc_weight_f16  f16                   400                     7.4
+  2  forward   cast (_to_copy)  x_f16          f16                   100                     9.4
+ 10  backward  mm               linear         f16                   100                     9.4
 
   #  ph    op                  node/module    module    in           out    shape      max|x|    min|x|>0    nonfinite    >f16max    <f16tiny
 ---  ----  ------------------  -------------  --------  -----------  -----  -------  --------  ----------  -----------  ---------  ----------
@@ -82,11 +82,11 @@ non-finite producers (inf/NaN from finite inputs, or NaN from NaN-free ones); fi
  13  bac   cast (_to_copy)     fc_bias_f16    fc        f16          f32    2               1           1            0          0           0
 (* = produced the inf/NaN, did not only pass it on)
 
-gradient magnitudes (backward op outputs)
+gradient magnitudes (fp16 backward values)
   |grad| >=    values    share  in fp16
 -----------  --------  -------  ---------
-        2^6         4    50.0%  normal
-        2^0         4    50.0%  normal
+        2^6         4    40.0%  normal
+        2^0         6    60.0%  normal
 flush to zero in fp16 (< 2^-24): 0.00%; subnormal in fp16: 0.00%
 max |grad|: 100; recommended static loss scale: 2^9 = 512""")
 

@@ -86,6 +86,38 @@ def test_untraceable_model_names_the_construct_and_the_fix() -> None:
     assert "torch.export" in message
 
 
+def test_data_dependent_control_flow_fails_in_one_error_without_torchs_graph_dumps(
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """torch.export prints the partial graph of a data-dependent failure to stderr at each
+    nested wrapper and each retry (8 dumps, about 80 lines); the conversion prints none,
+    names the model's line in its error, and passes on what the model itself printed."""
+    import sys
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            print("model says hi", file=sys.stderr)
+            if x.sum() > 0:
+                return self.fc(x)
+            return x
+
+    with pytest.raises(AmpRewriteError) as info:
+        amprewrite.convert(Branchy(), (torch.randn(3, 4),))
+    message = str(info.value)
+    assert message.startswith("torch.export could not capture Branchy: "
+                              "GuardOnDataDependentSymNode")
+    assert re.search(r"The model's line it stopped at: .*test_convert\.py:\d+ in forward, "
+                     r"code: if x\.sum\(\) > 0:", message)
+    assert "amprewrite.compile(model)" in message
+    out, err = capfd.readouterr()
+    assert (out + err).count("def forward") == 0
+    assert "torch.ops.aten" not in out + err
+    assert err.count("model says hi") >= 1  # the model's own output is not swallowed
+
+
 def test_banned_op_under_cuda_preset() -> None:
     class BCE(nn.Module):
         def forward(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -489,3 +521,90 @@ def test_an_input_on_the_meta_device_is_named_with_the_fix() -> None:
         amprewrite.convert(model.to("meta"), (torch.randn(1, 3, 8, 8),))
     gm = amprewrite.convert(model, (meta_x,))  # all on meta: shapes and dtypes only
     assert gm(meta_x).shape == (1, 4, 6, 6)
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _MaskedScores(nn.Module):
+    """``mask`` only meets ops that run in whatever dtype arrives: float64 is fine there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + mask
+
+
+def test_a_float64_input_where_fp32_was_captured_raises_as_the_model_does() -> None:
+    """Eager and torch.autocast raise for float64 features meeting an fp32 weight; the
+    converted module must not round them to bf16 and return a result."""
+    model, x = _Mlp(), torch.randn(3, 4)
+    gm = amprewrite.convert(model, (x,))
+    with pytest.raises(RuntimeError, match="mat1 and mat2 must have the same dtype"):
+        model(x.double())
+    with torch.autocast("cpu", torch.bfloat16), \
+            pytest.raises(RuntimeError, match="mat1 and mat2 must have the same dtype"):
+        model(x.double())
+    with pytest.raises(AmpRewriteError) as info:
+        gm(x.double())
+    message = str(info.value)
+    assert "x: captured for float32 of shape (any, 4), called with float64 of shape (3, 4)" \
+        in message
+    assert "float64 is never cast by torch.autocast" in message
+    assert "pass x.float(), or convert with float64 example inputs" in message
+    assert "argument 0 of the converted module's forward is a torch.float64 tensor" in \
+        str(info.value.__cause__)
+    assert gm(x).dtype == torch.bfloat16  # the module still works for the captured dtype
+    import pickle
+
+    for clone in (copy.deepcopy(gm), pickle.loads(pickle.dumps(gm))):
+        assert clone._guards_fn._no_float64 == (True,)
+
+
+def test_float64_stays_allowed_where_the_model_takes_it() -> None:
+    """A model converted from a float64 example runs in float64; an input that only meets
+    dtype-following ops computes in float64 as the model does; O2 casts every floating
+    input at the entry, as Apex does."""
+    x = torch.randn(3, 4, dtype=torch.float64)
+    model = _Mlp().double()
+    gm = amprewrite.convert(model, (x,))
+    torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+    assert gm._guards_fn._no_float64 == ()
+
+    masked = _MaskedScores()
+    gm = amprewrite.convert(masked, (x.float(), x.float()))
+    assert gm._guards_fn._no_float64 == (True, False)
+    assert gm(x.float(), x).dtype == masked(x.float(), x).dtype == torch.float64
+    with pytest.raises(AmpRewriteError, match=r"x: captured for float32 .* called with float64"):
+        gm(x, x)
+
+    o2 = amprewrite.convert(_Mlp(), (x.float(),), opt_level="O2")
+    with torch.no_grad():
+        assert o2(x).dtype == torch.float32
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic", "compile"])
+def test_code_starts_with_the_forward(capture: str) -> None:
+    """torch.fx writes three blank lines above ``def forward``; the converted code starts
+    with the code, and torch.fx's line bookkeeping moves up with it."""
+    x = torch.randn(2, 8)
+    if capture == "compile":
+        compiled = amprewrite.compile(MLP(), eager=True)
+        compiled(x)
+        (gm,) = compiled.amprewrite_backend.graphs
+    else:
+        gm = amprewrite.convert(MLP(), (x,), capture=capture)
+    assert gm.code.startswith("def forward(self, "), repr(gm.code[:40])
+    assert gm.code == gm._code.lstrip("\n")  # torch.fx's own text, which its pickling joins
+    if capture != "compile":
+        assert copy.deepcopy(gm).code == gm.code

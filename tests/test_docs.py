@@ -195,3 +195,48 @@ def test_the_link_checker_sees_links() -> None:
     """A checker that found no link would pass trivially."""
     assert "docs/training.md" in _links(ROOT / "README.md")
     assert "weights-changed-after-conversion" in _anchors(ROOT / "docs" / "training.md")
+
+
+def _training_block(marker: str) -> tuple[int, str]:
+    page = ROOT / "docs" / "training.md"
+    (found,) = [(line, code) for line, lang, code, _ in _blocks(page)
+                if lang == "python" and marker in code]
+    return found
+
+
+def test_the_o2_loop_scales_the_loss_on_the_device_it_runs_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine without a GPU, ``GradScaler("cuda")`` disables itself and fp16 trains
+    unscaled; the block's scaler is the model's device's, and nothing warns."""
+    monkeypatch.chdir(tmp_path)
+    line, code = _training_block("amprewrite.MasterWeights(gm, opt)")
+    namespace: dict[str, object] = {"__name__": "__docs__"}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        exec(compile(code, f"docs/training.md:{line}", "exec"), namespace)
+    assert namespace["scaler"].is_enabled()  # type: ignore[attr-defined]
+    assert namespace["scaler"]._device == namespace["device"]  # type: ignore[attr-defined]
+    about_scaling = [str(w.message) for w in seen
+                     if "GradScaler" in str(w.message) or "ScalerMonitor" in str(w.message)]
+    assert about_scaling == []
+
+
+def test_the_cache_weights_block_runs_on_its_own(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    line, code = _training_block("amprewrite.cache_weights(gm)")
+    namespace: dict[str, object] = {"__name__": "__docs__"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(code, f"docs/training.md:{line}", "exec"), namespace)
+    assert len(namespace["replies"]) == 3  # type: ignore[arg-type]
+
+
+def test_the_trainer_block_says_how_to_install_accelerate() -> None:
+    """``transformers.Trainer`` imports accelerate, which the demo extra does not bring."""
+    page = ROOT / "docs" / "training.md"
+    line, _ = _training_block("transformers.Trainer(")
+    lines = page.read_text().split("\n")[:line - 1]
+    assert lines[-1] == "<!-- requires: transformers, accelerate -->"
+    intro = "\n".join(lines[-8:])
+    assert "`pip install transformers accelerate`" in intro

@@ -60,7 +60,7 @@ head:
   linear_1    linear      lower             bf16   bf16  default table  layer_norm_bf16, head_weight_bf16, head_bias_bf16
 (top level):
   softmax     softmax     fp32 (dtype arg)  f32    f32   default table  -
-5 op nodes: 2 bf16, 2 f32, 1 passthrough; casts: 6 inserted, 0 eliminated, 0 guarded""")
+5 op nodes: 2 bf16, 2 f32, 1 passthrough; casts: 6 cast nodes in the graph (0 guarded) after 0 eliminated""")
 
     def test_overrides_name_the_rule(self) -> None:
         policy = Policy.autocast("cpu").override(ops={"softmax": OpCategory.FP32},
@@ -83,7 +83,7 @@ head:
   linear_1    linear      fp32         f32    f32   module override 'head'  -
 (top level):
   softmax     softmax     fp32         f32    f32   op override 'softmax'   -
-5 op nodes: 1 bf16, 2 f32, 2 passthrough; casts: 3 inserted, 0 eliminated, 0 guarded""")
+5 op nodes: 1 bf16, 2 f32, 2 passthrough; casts: 3 cast nodes in the graph (0 guarded) after 0 eliminated""")
 
     def test_symbolic_without_inputs_is_guarded(self) -> None:
         gm = amprewrite.convert(Small())
@@ -104,7 +104,7 @@ head:
   linear_1    linear      lower             bf16   ?    default table  layer_norm_bf16, head_weight_bf16, head_bias_bf16
 (top level):
   softmax     softmax     fp32 (dtype arg)  f32    ?    default table  -
-5 op nodes: 2 bf16, 2 f32, 1 passthrough; casts: 7 inserted, 0 eliminated, 3 guarded""")
+5 op nodes: 2 bf16, 2 f32, 1 passthrough; casts: 7 cast nodes in the graph (3 guarded) after 0 eliminated""")
 
 
 def test_summary_counts_eliminated_casts() -> None:
@@ -174,3 +174,43 @@ def test_rejects_what_was_not_converted() -> None:
         amprewrite.explain(Small())
     with pytest.raises(ValueError, match="was not converted by amprewrite"):
         amprewrite.explain(torch.fx.symbolic_trace(Small()))
+
+
+class OwnFp32Region(nn.Module):
+    """A region the model keeps in fp32 itself: under torch.compile the backend adds a cast
+    after the passes (the graph's output back to the dtype Dynamo traced)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        with torch.autocast("cpu", enabled=False):
+            h = h.float().exp()
+        return self.lin(h)
+
+
+def test_header_and_footer_count_the_same_casts_on_the_compile_route() -> None:
+    """The header's cast nodes and the footer's are one number, the graph's own count of
+    our cast nodes, also where the compile backend adds a cast after the passes."""
+    import re
+
+    from amprewrite.graph.meta import cast_info
+    from amprewrite.graph.subgraphs import nodes_with_bodies
+
+    compiled = amprewrite.compile(OwnFp32Region(), eager=True)
+    compiled(torch.randn(2, 8))
+    (graph,) = compiled.amprewrite_backend.graphs
+    in_graph = sum(cast_info(n) is not None for n in nodes_with_bodies(graph))
+    assert in_graph == 5  # x, weight, bias, the exp's output, and the output back to fp32
+    text = amprewrite.explain(compiled)
+    header = re.search(r"^casts: (\d+) cast nodes, \d+ of weights", text, re.M)
+    footer = re.search(r"casts: (\d+) cast nodes in the graph \((\d+) guarded\) after "
+                       r"(\d+) eliminated$", text, re.M)
+    assert header is not None and footer is not None, text
+    assert int(header.group(1)) == int(footer.group(1)) == in_graph
+    assert footer.group(2, 3) == ("0", "0")
+    (rec,) = explain_records(compiled)
+    assert rec["facts"]["cast_nodes"] == rec["summary"]["casts_inserted"] == in_graph

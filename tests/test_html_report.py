@@ -576,3 +576,55 @@ def test_speed_row_says_when_rounds_cannot_tell() -> None:
     assert row.text == ("too few rounds to compare with torch.autocast (1 round: 0.09x its "
                         "speed; forward 25.44 ms vs 2.31 ms)")
     assert not list(row.iter("b"))
+
+
+class _Deep(nn.Module):
+    """Module names longer than the chart's label column: two that differ only in the middle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder_with_a_long_descriptive_name = nn.ModuleList(
+            nn.ModuleDict({"a_rather_long_attention_projection_name": Block()}) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.encoder_with_a_long_descriptive_name:
+            x = layer["a_rather_long_attention_projection_name"](x)
+        return x
+
+
+def test_long_module_names_are_shown_whole_and_wrap() -> None:
+    """A module name longer than its column wraps (after its dots) instead of being cut
+    at the column's width: the whole name is in the label, and no style clips it."""
+    x = torch.randn(4, 8)
+    page = amprewrite.html_report(amprewrite.convert(_Deep(), (x,)))
+    parsed = Page(page)
+    names = {f"encoder_with_a_long_descriptive_name.{i}.a_rather_long_attention_projection_name"
+             f".lin" for i in (0, 1)}
+    labels = {}
+    for row in parsed.root.iter("div", "mrow"):
+        if row.attrs.get("data-module") in names:
+            labels[row.attrs["data-module"]] = row.find("span", "mlabel").text
+    assert labels == {name: name for name in names}  # whole, no "…"
+    assert "…" not in "".join(r.find("span", "mlabel").text
+                              for r in parsed.root.iter("div", "mrow"))
+    assert ".<wbr>a_rather_long_attention_projection_name.<wbr>" in page
+    from amprewrite.htmlreport.assets import CSS
+    label_rule = re.search(r"\.mlabel\{([^}]*)\}", CSS)[1]
+    assert "overflow-wrap:anywhere" in label_rule
+    assert "overflow:hidden" not in label_rule and "nowrap" not in label_rule
+    assert "text-overflow" not in CSS
+
+
+def test_speed_row_says_when_the_machine_is_too_busy() -> None:
+    """One round 100 ms where the others took 1.4 ms: the page, as the demo's line, draws no
+    verdict and says why, in no colour."""
+    busy = {"step_bytes": {"converted": 1024, "autocast": 1024},
+            "max_abs_error": {"converted": 1e-3, "autocast": 1e-3},
+            "forward_ms": {"converted": 1.41, "autocast": 2.01},
+            "forward_rounds": [[1.40, 2.00], [1.41, 2.02], [100.0, 101.0], [1.39, 1.98],
+                               [1.42, 2.01], [1.40, 2.03], [1.41, 1.99]]}
+    row = _facts(_page(report=False, vs_autocast=busy)[3])["speed"]
+    assert row.text == ("no verdict against torch.autocast (the machine is too busy to tell: "
+                        "its slowest round took 71x the median round's time, of 7 rounds; "
+                        "forward 1.41 ms vs 2.01 ms)")
+    assert not list(row.iter("b"))

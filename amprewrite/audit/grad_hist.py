@@ -1,14 +1,24 @@
 """Gradient-magnitude histogram: log2 buckets, as Figure 3 of Micikevicius et al. (2018).
 
-Every floating output of a backward op adds its nonzero finite magnitudes to one histogram
-with one bucket per power of two (bucket ``e`` holds ``2**e <= |g| < 2**(e+1)``; bucket -127
-holds fp32 subnormals). The audit already builds an exponent histogram per output; these are
-summed on the gradients' device without host syncs and read back once when the audit ends.
+What it counts: the values the low dtype holds in the backward, the fp16 (or bf16) outputs of
+backward ops, casts included. Those are the values a loss scale multiplies and that overflow
+when it is too large. It leaves out fp32 outputs: internals of a backward formula (rsqrt's
+backward computes ``pow(x, -1.5)``, huge on the zero embedding row of a padding token, and it
+does not grow with the loss) and gradients kept in fp32 (the loss's own, a master weight's);
+fp16 never holds them. In a bf16 run the bf16 values stand for what the fp16 policy would
+hold (the same ops run in the low dtype): the recommendation is then an fp16 what-if.
 
-From the histogram: the fraction of gradient values that fp16 would flush to zero
+From the histogram: the fraction of those values that fp16 would flush to zero
 (``|g| < 2**-24``, its smallest subnormal), and a recommended static loss scale: the largest
-power of two that keeps the largest gradient under fp16's max (65504). The scale is relative
+power of two that keeps the largest of them under fp16's max (65504). The scale is relative
 to the loss that was audited: if the audited loss was already scaled by ``s``, multiply.
+
+Its limit: an fp16 run sees only what fp16 kept. A gradient flushed to zero at this scale
+makes every gradient computed from it zero too, and a larger scale could make them larger
+than anything seen here. When even the largest gradient fp16 held is subnormal, most were
+lost, and the recommendation is marked as an upper bound (:attr:`GradHistogram.needs_probe`):
+audit one more step with the loss multiplied by it, and follow that step's recommendation
+times the probe scale. A bf16 run has no such blind spot: bf16 keeps fp32's range.
 """
 
 from __future__ import annotations
@@ -51,6 +61,33 @@ class GradHistogram:
 
     counts: dict[int, int]
     max_abs: float | None
+    dtype: str | None = None
+    """``"float16"`` when fp16 held the values, ``"bfloat16"`` for a bf16 run (the fp16
+    what-if); None for a report written before the histogram said."""
+    nonfinite: int = 0
+    """Backward values the low dtype held as inf/NaN (fp16 overflow at the audited scale)."""
+
+    @property
+    def what_if(self) -> bool:
+        """The values were bf16: the recommendation is what the fp16 policy would need."""
+        return self.dtype == "bfloat16"
+
+    @property
+    def overflowed(self) -> bool:
+        """fp16 already overflowed at the audited scale: scale the loss down."""
+        return self.nonfinite > 0 and not self.what_if
+
+    @property
+    def needs_probe(self) -> bool:
+        """Even the largest gradient fp16 held is subnormal (below 2**-14): at this scale fp16
+        lost most gradients, and with them what a larger scale gives. The recommendation is
+        then an upper bound until a step at that scale confirms it (the module's docstring).
+
+        NB: subnormal gradients beside normal ones are the rule (a third to all of them on
+        the models of the tests) and do not make the largest one wrong: only a gradient
+        computed from flushed ones could outgrow it."""
+        return (not self.what_if and not self.overflowed and self.max_abs is not None
+                and self.max_abs < 2.0 ** _FP16_NORMAL_EXP)
 
     @property
     def total(self) -> int:
@@ -72,11 +109,32 @@ class GradHistogram:
 
     @property
     def recommended_loss_scale(self) -> float | None:
-        """Largest power of two ``s`` with ``max_abs * s <= 65504`` (None without gradients).
-        Below 1 when gradients already overflow fp16: scale the loss down."""
-        if not self.max_abs:
+        """Largest power of two ``s`` with ``max_abs * s <= 65504``, from the values fp16
+        holds (or would hold) in the backward. Below 1 when they exceed fp16's max: scale
+        the loss down. None without such values, or when fp16 already overflowed (one step
+        cannot tell by how much to scale down: :attr:`overflowed`)."""
+        if not self.max_abs or self.overflowed:
             return None
         return 2.0 ** math.floor(math.log2(_FP16_MAX / self.max_abs))
+
+    def advice(self) -> str:
+        """The recommendation as one line a user can follow, its limits included."""
+        scale = self.recommended_loss_scale
+        if self.overflowed:
+            return (f"{self.nonfinite} fp16 gradient values overflowed at the audited scale: "
+                    "lower the loss scale (GradScaler halves it on each overflow) and audit a "
+                    "step at the lower scale")
+        if scale is None:
+            return ("no fp16 or bf16 values in the backward: nothing to recommend (audit the "
+                    "converted module, or the model under torch.autocast)")
+        line = f"recommended static loss scale: {_fmt_scale(scale)}"
+        if self.what_if:
+            return line + " (fp16 what-if: the bf16 gradients as fp16 would hold them)"
+        if self.needs_probe:
+            return (line + f", an upper bound: fp16 flushed gradients below 2^-24 at this "
+                    f"scale, hiding what a larger one gives; audit one more step with the loss "
+                    f"multiplied by {scale:g} and multiply its recommendation by {scale:g}")
+        return line
 
     def rows(self, scale: float = 1.0) -> list[tuple[str, int, float, str]]:
         """(bucket, count, share, fp16 fate) per nonempty bucket, largest first; ``scale``
@@ -104,13 +162,18 @@ class GradHistogram:
         rows = [(b, c, f"{s:.1%}", fate) for b, c, s, fate in self.rows()]
         body = tabulate.tabulate(rows, headers=["|grad| >=", "values", "share", "in fp16"],
                                  colalign=("right", "right", "right", "left"))
-        scale = self.recommended_loss_scale
         lines = [body,
                  f"flush to zero in fp16 (< 2^-24): {self.fp16_flush_fraction:.2%}; "
                  f"subnormal in fp16: {self.fp16_subnormal_fraction:.2%}",
-                 f"max |grad|: {_fmt(self.max_abs)}; recommended static loss scale: "
-                 f"{_fmt_scale(scale)}"]
+                 f"max |grad|: {_fmt(self.max_abs)}; {self.advice()}"]
         return "\n".join(lines)
+
+    @property
+    def title(self) -> str:
+        """What the histogram counts, in the words every view of the report uses."""
+        if self.what_if:
+            return "gradient magnitudes (bf16 backward values; fp16 what-if)"
+        return "gradient magnitudes (fp16 backward values)"
 
     def plot(self, path: str) -> str:
         """Save a bar plot (log2 buckets, fp16 limits marked) as a PNG; needs matplotlib
@@ -135,7 +198,7 @@ class GradHistogram:
                     fontsize=7)
         ax.set_xlabel("log2 |gradient|")
         ax.set_ylabel("share of values")
-        ax.set_title("Gradient magnitudes (backward op outputs)")
+        ax.set_title(self.title[0].upper() + self.title[1:])
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
@@ -144,17 +207,24 @@ class GradHistogram:
     def to_dict(self) -> dict[str, Any]:
         return {"counts": {str(e): c for e, c in sorted(self.counts.items())},
                 "max_abs": self.max_abs,
+                "dtype": self.dtype,
+                "nonfinite": self.nonfinite,
                 "fp16_flush_fraction": self.fp16_flush_fraction,
-                "recommended_loss_scale": self.recommended_loss_scale}
+                "recommended_loss_scale": self.recommended_loss_scale,
+                "needs_probe": self.needs_probe,
+                "advice": self.advice()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "GradHistogram":
-        return cls({int(e): int(c) for e, c in data["counts"].items()}, data["max_abs"])
+        return cls({int(e): int(c) for e, c in data["counts"].items()}, data["max_abs"],
+                   data.get("dtype"), int(data.get("nonfinite", 0)))
 
     @classmethod
-    def from_counts(cls, counts: list[float], max_abs: float | None) -> "GradHistogram":
+    def from_counts(cls, counts: list[float], max_abs: float | None, dtype: str | None = None,
+                    nonfinite: int = 0) -> "GradHistogram":
         """From a dense histc result (bucket i is exponent LOW_EXP + i)."""
-        return cls({LOW_EXP + i: int(c) for i, c in enumerate(counts) if c}, max_abs)
+        return cls({LOW_EXP + i: int(c) for i, c in enumerate(counts) if c}, max_abs, dtype,
+                   nonfinite)
 
 
 def _fmt(x: float | None) -> str:

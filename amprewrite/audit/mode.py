@@ -41,6 +41,8 @@ FP16_TINY = 6.103515625e-05
 """fp16's smallest normal, 2**-14."""
 _INF = float("inf")
 _ACC = STAT_DTYPE
+HALF_GRADIENTS = (torch.float16, torch.bfloat16)
+"""Backward outputs in these dtypes make the gradient histogram (see ``_add_gradient``)."""
 _RAW = ("max_abs", "min_nz", "nonfinite", "zero", "over", "small", "mask", "has_nan",
         "in_nonfinite", "in_nan")
 _COMPACT_EVERY = 64
@@ -124,6 +126,9 @@ class Recorder:
         """One line per op call that could not be recorded (the user's step went on)."""
         self.grad_hist: dict[torch.device, torch.Tensor] = {}
         self.grad_max: dict[torch.device, torch.Tensor] = {}
+        self.grad_nonfinite: dict[torch.device, torch.Tensor] = {}
+        self.grad_dtypes: set[torch.dtype] = set()
+        """The low dtypes of the backward values the gradient histogram counts."""
         self.fp8 = Fp8Recorder()
         """Scales, amax and saturation of the fp8 matmuls (``_scaled_mm``)."""
 
@@ -171,7 +176,7 @@ class Recorder:
         # does so on purpose (attention masks): it is a source, never blamed as a producer;
         # so is one that writes a given inf (masked_fill(mask, -inf)).
         constant = mask_fill or not any(t.is_floating_point() or t.is_complex() for t in inputs)
-        vec = self._stats(floating, in_entries, phase, cast, constant)
+        vec = self._stats(floating, in_entries, phase, constant)
         group = self._group(meta)
         group.count += 1
         group.flops += _flops(func, args, kwargs, out)
@@ -190,7 +195,7 @@ class Recorder:
         self.calls += 1
 
     def _stats(self, floating: list[torch.Tensor], in_entries: list[tuple], phase: str,
-               cast: bool, constant: bool) -> torch.Tensor | None:
+               constant: bool) -> torch.Tensor | None:
         if not floating:
             return None
         vecs = []
@@ -198,11 +203,8 @@ class Recorder:
             vec, hist = output_stats(t)
             vecs.append(vec)
             self._nonfinite[t] = (_version(t), vec[2], vec[7])
-            if phase == "backward" and not cast:
-                device = t.device
-                self.grad_hist[device] = accumulate(self.grad_hist.get(device), hist, vec[3])
-                old = self.grad_max.get(device)
-                self.grad_max[device] = vec[0] if old is None else torch.maximum(old, vec[0])
+            if phase == "backward" and t.dtype in HALF_GRADIENTS:
+                self._add_gradient(t, vec, hist)
         out = vecs[0] if len(vecs) == 1 else _combine(vecs)
         if constant:  # counts as "inputs had inf": never an inf producer
             inputs = torch.stack([out.new_ones(()), out.new_zeros(())])
@@ -212,6 +214,22 @@ class Recorder:
             inputs = torch.stack([torch.stack(e[1:]).to(out.device)
                                   for e in in_entries]).sum(0)
         return torch.cat([out, inputs.to(out.device)])
+
+    def _add_gradient(self, t: torch.Tensor, vec: torch.Tensor, hist: torch.Tensor) -> None:
+        """Count a backward value that the low dtype holds into the gradient histogram.
+
+        NB: only fp16 and bf16 outputs count, casts included (a cast to fp16 in the backward
+        is where a gradient first has to fit in fp16). An fp32 output of a backward op is
+        either an internal of the formula (rsqrt's backward computes ``pow(x, -1.5)``, huge
+        on a zero row) or a gradient in fp32 (the loss's own, a master weight's): neither is
+        held in fp16, so neither limits the loss scale."""
+        device = t.device
+        self.grad_dtypes.add(t.dtype)
+        self.grad_hist[device] = accumulate(self.grad_hist.get(device), hist, vec[3])
+        old = self.grad_max.get(device)
+        self.grad_max[device] = vec[0] if old is None else torch.maximum(old, vec[0])
+        old = self.grad_nonfinite.get(device)
+        self.grad_nonfinite[device] = vec[2] if old is None else old + vec[2]
 
     def _input_entry(self, t: torch.Tensor, outs: list[torch.Tensor] = ()
                      ) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -250,9 +268,10 @@ class Recorder:
         return group
 
     # -- at exit -----------------------------------------------------------------------
-    def finish(self) -> tuple[list["GroupStats"], list[float] | None, float | None]:
+    def finish(self) -> tuple[list["GroupStats"], list[float] | None, float | None, int]:
         """Read every pending statistic back: one ``.tolist()`` per device. Returns the
-        statistics per group, the dense gradient histogram and the largest gradient."""
+        statistics per group, the dense gradient histogram, the largest finite gradient and
+        the count of non-finite ones."""
         if self.aggregate:
             for group in self.groups:
                 fold(group)
@@ -263,23 +282,26 @@ class Recorder:
         values: list[list[float] | None] = [None] * len(vecs)
         hist: list[float] | None = None
         grad_max: float | None = None
+        grad_nonfinite = 0
         for device in devices:
             index = [i for i, v in enumerate(vecs) if v is not None and v.device == device]
             parts = [torch.stack([vecs[i] for i in index]).flatten()] if index else []
             h = self.grad_hist.get(device)
             if h is not None:
-                parts += [h.to(_ACC), self.grad_max[device].reshape(1).to(_ACC)]
+                parts += [h.to(_ACC), self.grad_max[device].reshape(1).to(_ACC),
+                          self.grad_nonfinite[device].reshape(1).to(_ACC)]
             flat = torch.cat(parts).tolist()  # the one host sync for this device
             width = len(_RAW) - (1 if self.aggregate else 0)
             for k, i in enumerate(index):
                 values[i] = flat[k * width:(k + 1) * width]
             if h is not None:
                 tail = flat[len(index) * width:]
-                dense, top = tail[:-1], tail[-1]
+                dense, top, bad = tail[:-2], tail[-2], tail[-1]
                 hist = dense if hist is None else [a + b for a, b in zip(hist, dense)]
                 grad_max = top if grad_max is None else max(grad_max, top)
+                grad_nonfinite += int(bad)
         stats = [_group_stats(g, v, self.aggregate) for g, v in zip(self.groups, values)]
-        return stats, hist, grad_max
+        return stats, hist, grad_max, grad_nonfinite
 
 
 class GroupStats(NamedTuple):

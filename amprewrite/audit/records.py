@@ -11,7 +11,10 @@ from typing import Any, Protocol, Sequence
 from .grad_hist import GradHistogram
 from .mode import FP16_MAX
 
-__all__ = ["OpRecord", "ReportView"]
+__all__ = ["OpRecord", "ReportView", "LOW_OUTPUTS"]
+
+LOW_OUTPUTS = ("float16", "bfloat16")
+"""Output dtypes whose values fp16 holds, or would hold under the fp16 policy."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,9 +23,11 @@ class OpRecord:
 
     Statistics are over the op's floating outputs: ``max_abs`` is the largest finite |x|,
     ``min_nonzero_abs`` the smallest nonzero finite |x|, ``nonfinite`` counts inf/NaN,
-    ``fp16_overflow`` counts finite values above 65504 in a wider dtype (they would become
-    inf in fp16) or infs in an fp16 output, ``fp16_underflow`` counts nonzero values below
-    fp16's smallest normal (6.1e-5). ``produced_nonfinite`` is True when this op turned finite
+    ``fp16_overflow`` counts infs in an fp16 output, or bf16 values above 65504 (they would
+    become inf under the fp16 policy: a what-if), ``fp16_underflow`` counts nonzero values
+    below fp16's smallest normal (6.1e-5) in those outputs. Both are 0, and
+    :attr:`headroom_bits` is None, for an output in fp32 or fp64: fp16 never holds it (an
+    fp32-category op, an internal of a backward formula), so it is no fp16 risk. ``produced_nonfinite`` is True when this op turned finite
     inputs into inf/NaN, or NaN-free inputs into NaN (rather than passing them on). NB: ops
     without floating inputs (``full``, ``scalar_tensor``) that make inf do it on purpose
     (attention masks) and are not blamed; a softmax that turns such a row into NaN is.
@@ -67,10 +72,21 @@ class OpRecord:
         return f"cast ({self.op})" if self.cast else self.op
 
     @property
+    def holds_low(self) -> bool:
+        """The output is fp16, or bf16 (which the fp16 policy would hold as fp16)."""
+        return self.out_dtype in LOW_OUTPUTS
+
+    @property
+    def what_if(self) -> bool:
+        """A bf16 output: its fp16 flags say what the fp16 policy would meet."""
+        return self.out_dtype == "bfloat16"
+
+    @property
     def headroom_bits(self) -> float | None:
         """log2(65504 / max_abs): doublings left before fp16 overflows (negative: already
-        past it); None when there are no nonzero finite values."""
-        return math.log2(FP16_MAX / self.max_abs) if self.max_abs else None
+        past it); None when there are no nonzero finite values, or fp16 does not hold them
+        (:attr:`holds_low`)."""
+        return math.log2(FP16_MAX / self.max_abs) if self.max_abs and self.holds_low else None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -24,12 +24,14 @@ import dataclasses
 import warnings
 from typing import Any, Iterator
 
+import torch
+
 from ..errors import user_stacklevel
 from .fp8 import Fp8Record
 from .grad_hist import GradHistogram
 from .mode import Recorder, _AuditMode
 from .stats import release_scratch
-from .records import OpRecord
+from .records import LOW_OUTPUTS, OpRecord
 from .tables import render, summarize
 from .where import Attribution
 
@@ -154,16 +156,19 @@ class _AuditSession:
                 f"amprewrite.audit: {len(recorder.failures)} op call(s) could not be recorded "
                 f"and are missing from the report; the first: {recorder.failures[0]}",
                 stacklevel=user_stacklevel())
-        stats, hist, grad_max = recorder.finish()
+        stats, hist, grad_max, grad_nonfinite = recorder.finish()
         records = []
         first_call, first = None, None
         for group, s in zip(recorder.groups, stats):
             m = group.meta
+            # fp16 range flags only where fp16 holds the value (or would, for bf16).
+            held = m.out_dtype in LOW_OUTPUTS
             record = OpRecord(
                 op=m.op, node=m.node, module=m.module, phase=m.phase, in_dtypes=m.in_dtypes,
                 out_dtype=m.out_dtype, shape=m.shape, max_abs=s.max_abs,
                 min_nonzero_abs=s.min_nonzero_abs, nonfinite=s.nonfinite,
-                fp16_overflow=s.fp16_overflow, fp16_underflow=s.fp16_underflow, cast=m.cast,
+                fp16_overflow=s.fp16_overflow if held else 0,
+                fp16_underflow=s.fp16_underflow if held else 0, cast=m.cast,
                 grad_fn=m.grad_fn, produced_nonfinite=s.producer_call is not None,
                 count=group.count, flops=group.flops, cast_bytes=group.nbytes,
                 mask_values=s.mask_values, mask_fill=m.mask_fill)
@@ -174,7 +179,10 @@ class _AuditSession:
         self.report.first_nonfinite = first
         self.report.fp8 = recorder.fp8.finish()
         if hist is not None:
-            self.report.grad_histogram = GradHistogram.from_counts(hist, grad_max)
+            # fp16 when it held any of them: the run's own limits, not a what-if.
+            dtype = "float16" if torch.float16 in recorder.grad_dtypes else "bfloat16"
+            self.report.grad_histogram = GradHistogram.from_counts(hist, grad_max, dtype,
+                                                                   grad_nonfinite)
 
 
 def audit(*, aggregate: bool = False) -> _AuditSession:

@@ -49,7 +49,8 @@ def summarize(report: ReportView) -> dict[str, Any]:
         "nonfinite_producers": [i for i, r in enumerate(records) if r.produced_nonfinite],
         "masks": [i for i, r in enumerate(records) if r.is_mask],
         "top_overflow_risk": [{"record": i, "headroom_bits": records[i].headroom_bits,
-                               "fp16_overflow": records[i].fp16_overflow} for i in risk],
+                               "fp16_overflow": records[i].fp16_overflow,
+                               "what_if": records[i].what_if} for i in risk],
     }
 
 
@@ -149,8 +150,7 @@ def render(report: ReportView, max_rows: int) -> str:
 
     parts.append(_ops_table(report, max_rows, tabulate))
     if report.grad_histogram is not None:
-        parts.append("gradient magnitudes (backward op outputs)\n"
-                     + report.grad_histogram.table())
+        parts.append(report.grad_histogram.title + "\n" + report.grad_histogram.table())
     return "\n\n".join(parts)
 
 
@@ -162,6 +162,8 @@ def risk_rows(report: ReportView, s: dict[str, Any] | None = None) -> list[list[
         r = report.records[item["record"]]
         bits = item["headroom_bits"]
         room = f"overflowed ({r.fp16_overflow})" if r.fp16_overflow else f"{bits:.1f}"
+        if r.what_if:
+            room = room.replace("overflowed", "would overflow") + " (fp16 what-if)"
         if r.is_mask:
             room += f" (mask: {r.mask_values} sentinel values)"
         rows.append([item["record"], r.phase, r.label, _where(r), _short(r.out_dtype),

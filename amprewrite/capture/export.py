@@ -56,6 +56,7 @@ from .custom_functions import custom_functions_in
 from .layerdrop import DecidedDraws
 from .facts import GRAD_KEY, LIFTED_CONSTANTS, REGION_KEY, TRACED_IN_FP32, Region
 from .guards import fast_input_guards
+from .logs import partial_graph_line, without_partial_graphs
 from .keywords import named_keywords
 
 __all__ = ["capture_export", "dynamic_dims", "dynamic_shapes", "DynamicDims", "Regime",
@@ -151,7 +152,9 @@ def _export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, shapes
         if regime is not None:
             stack.enter_context(autocast_regime(*regime))
         shapes = stack.enter_context(named_keywords(model, kwargs, shapes))
-        ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+        with without_partial_graphs():
+            ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes,
+                                     strict=False)
     if checkpoints.sites:
         warnings.warn(
             f"amprewrite: {type(model).__name__} calls torch.utils.checkpoint (at "
@@ -222,9 +225,11 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _capture_error(model: nn.Module, exc: BaseException) -> AmpRewriteError:
+    line = partial_graph_line(exc)
+    where = f"The model's line it stopped at: {line}\n" if line else ""
     return AmpRewriteError(
         f"torch.export could not capture {type(model).__name__}: {type(exc).__name__}: "
-        f"{_first_line(exc)}\n"
+        f"{_first_line(exc)}\n{where}"
         "Models with data-dependent control flow or graph breaks convert with "
         "amprewrite.compile(model) (a torch.compile backend) instead.")
 

@@ -35,8 +35,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..errors import AmpRewriteError
+from ..graph.meta import cast_info
 
-__all__ = ["InputGuards", "fast_input_guards", "is_input_guards", "GUARDS_ATTR"]
+__all__ = ["InputGuards", "fast_input_guards", "is_input_guards", "refuse_float64",
+           "GUARDS_ATTR"]
 
 GUARDS_ATTR = "_guards_fn"
 
@@ -51,19 +53,30 @@ class InputGuards(nn.Module):
     dtype*). Another floating dtype is fine (O2/O3 cast floating inputs at the entry). The
     check costs one ``is_floating_point()`` per tensor argument, next to the shape check it
     joins; the converted module's call turns its error into one naming the argument
-    (:func:`amprewrite.graph.inputs.input_mismatch`)."""
+    (:func:`amprewrite.graph.inputs.input_mismatch`).
+
+    NB: float64 where the capture traced fp32/fp16/bf16 is refused too where the graph casts
+    per op (O1, :func:`refuse_float64`): autocast never casts float64, so the model, eagerly
+    or under autocast, raises where an fp64 tensor meets an fp32 weight, while the captured
+    casts would round it to the low dtype and return a result. O2/O3 cast every floating
+    input at the entry, as Apex does, and O0 casts nothing (its graph raises as the model
+    does): there float64 passes."""
 
     # NB: the node calling it has no users; fx's dead-code elimination keeps it for this flag,
     # as it keeps torch.export's own guard module.
     _is_impure = True
 
     def __init__(self, check: Callable[..., None], traced: Callable[..., None],
-                 floating: tuple[bool | None, ...] = ()) -> None:
+                 floating: tuple[bool | None, ...] = (),
+                 no_float64: tuple[bool, ...] = ()) -> None:
         super().__init__()
         self._check = check
         self._traced = traced
         self._floating = floating
         """Per argument: whether the captured tensor was floating; None for non-tensors."""
+        self._no_float64 = no_float64
+        """Per argument: whether a float64 tensor there is refused (:func:`refuse_float64`);
+        empty where none is."""
 
     def forward(self, *args: Any) -> None:
         if torch.compiler.is_dynamo_compiling():
@@ -75,6 +88,14 @@ class InputGuards(nn.Module):
                     f"where the capture traced a{' floating' if floating else 'n integer'} "
                     "one: the graph holds the model's code for that kind of tensor. Convert "
                     "again with example inputs of the dtypes you will pass.")
+        for i, (x, refused) in enumerate(zip(args, self._no_float64)):
+            if refused and x.dtype is torch.float64:
+                raise AmpRewriteError(
+                    f"argument {i} of the converted module's forward is a torch.float64 "
+                    "tensor, where the capture traced a lower-precision floating one: "
+                    "autocast never casts float64, so the model raises for it, while the "
+                    "graph's casts would round it to the low dtype. Pass the dtype of the "
+                    "example inputs, or convert again with float64 example inputs.")
         return self._check(*args)
 
     # NB: called as a function, not through nn.Module.__call__: bookkeeping of the capture,
@@ -86,11 +107,12 @@ class InputGuards(nn.Module):
 
     def __reduce__(self) -> Any:
         return (_rebuilt_guards, (marshal.dumps(self._check.__code__), sys.version_info[:2],
-                                  self._floating))
+                                  self._floating, self._no_float64))
 
 
 def _rebuilt_guards(code: bytes, version: tuple[int, int],
-                    floating: tuple[bool | None, ...] = ()) -> InputGuards:
+                    floating: tuple[bool | None, ...] = (),
+                    no_float64: tuple[bool, ...] = ()) -> InputGuards:
     if version != sys.version_info[:2]:
         raise TypeError(
             f"amprewrite: this converted module was pickled on Python {version[0]}.{version[1]} "
@@ -102,7 +124,7 @@ def _rebuilt_guards(code: bytes, version: tuple[int, int],
     # The namespace torch.export runs the check in (torch/export/_unlift.py).
     check = types.FunctionType(marshal.loads(code),
                                {**SYMPY_INTERP, "math": math, "inf": float("inf")}, "_")
-    return InputGuards(check, torch._dynamo.dont_skip_tracing(check), floating)
+    return InputGuards(check, torch._dynamo.dont_skip_tracing(check), floating, no_float64)
 
 
 def is_input_guards(node: fx.Node) -> bool:
@@ -138,3 +160,40 @@ def _floating_args(gm: fx.GraphModule) -> tuple[bool | None, ...]:
         return ()
     vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in call.args]
     return tuple(v.is_floating_point() if isinstance(v, torch.Tensor) else None for v in vals)
+
+
+def refuse_float64(gm: fx.GraphModule) -> None:
+    """Make ``gm``'s input check refuse a float64 tensor for each argument the capture traced
+    as fp32, fp16 or bf16 and whose value reaches a cast amprewrite inserted (:class:`InputGuards`,
+    NB): called for graphs that cast per op (O1). An argument that only meets ops running in
+    whatever dtype arrives (a mask added to scores) computes in float64 as the model does,
+    and stays allowed. Nothing changes if ``gm`` has no :class:`InputGuards`."""
+    guards = gm._modules.get(GUARDS_ATTR)
+    call = next((n for n in gm.graph.nodes if is_input_guards(n)), None)
+    if not isinstance(guards, InputGuards) or call is None:
+        return
+    refused = tuple(isinstance(a, fx.Node) and _reaches_inserted_cast(a) for a in call.args)
+    guards._no_float64 = refused if any(refused) else ()
+
+
+def _reaches_inserted_cast(arg: fx.Node) -> bool:
+    """Whether ``arg``, a floating non-fp64 input, flows into one of our casts through ops
+    that keep its dtype: where a float64 tensor there would be rounded down by the graph but
+    left alone by autocast. NB: the model's own conversions (``x.float()``) keep their dtype
+    as traced and so stop the walk only where they change it."""
+    val = arg.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not val.is_floating_point() or \
+            val.dtype == torch.float64:
+        return False
+    seen, todo = {arg}, [arg]
+    while todo:
+        for user in todo.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if cast_info(user) is not None:
+                return True
+            out = user.meta.get("val")
+            if isinstance(out, torch.Tensor) and out.dtype == val.dtype:
+                todo.append(user)
+    return False

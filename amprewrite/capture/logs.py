@@ -13,17 +13,28 @@ converting thread only (a :class:`logging.Filter` on each logger: other threads 
 before), and not at all where the user configured them: a logger whose level someone set
 (``logging.getLogger("torch.fx.experimental.symbolic_shapes").setLevel(...)``,
 ``torch._logging.set_logs(dynamic=...)``), or any logger when ``TORCH_LOGS`` is set.
+
+One report is no log record: when an export fails on data-dependent control flow
+(``if x.sum() > 0:``), torch prints the partial graph it traced straight to ``sys.stderr``,
+once per nested wrapper of ``torch.export.export`` and so several times per export, and again
+for each export a conversion retries (static sizes, fp32 tracing): about 80 lines before
+amprewrite's error. :func:`without_partial_graphs` holds the converting thread's writes to
+stderr during one export and passes on all of them but that dump; the error names the
+model's line the dump pointed at (:func:`partial_graph_line`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
+import sys
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
-__all__ = ["CAPTURE_LOGGERS", "quiet_capture_logs"]
+__all__ = ["CAPTURE_LOGGERS", "quiet_capture_logs", "without_partial_graphs",
+           "partial_graph_line"]
 
 CAPTURE_LOGGERS = (
     "torch.fx.experimental.symbolic_shapes",
@@ -62,3 +73,69 @@ def quiet_capture_logs() -> Iterator[None]:
     finally:
         for logger in quiet:
             logger.removeFilter(only_here)
+
+
+class _HeldStderr(io.TextIOBase):
+    """``sys.stderr`` for a block: the writes of one thread are held, those of other threads
+    go to the stream it replaced at once."""
+
+    def __init__(self, real: Any) -> None:
+        super().__init__()
+        self.real = real
+        self.thread = threading.get_ident()
+        self.held: list[str] = []
+
+    def write(self, text: str) -> int:
+        if threading.get_ident() != self.thread:
+            return self.real.write(text)
+        self.held.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.real.flush()
+
+    def __getattr__(self, name: str) -> Any:  # encoding, fileno, isatty...: the real one's
+        return getattr(self.real, name)
+
+
+@contextlib.contextmanager
+def without_partial_graphs() -> Iterator[None]:
+    """Run one ``torch.export.export`` with this thread's stderr held; afterwards write what
+    was held, less the partial graph the failed export printed (its exception's
+    ``partial_fx_graph``, each time with the newline ``print`` adds). The model's own prints
+    come out whole, after the export."""
+    if sys.stderr is None:  # pythonw: nothing is printed anyway
+        yield
+        return
+    held = _HeldStderr(sys.stderr)
+    sys.stderr = held
+    dump: str | None = None
+    try:
+        yield
+    except BaseException as exc:
+        dump = getattr(exc, "partial_fx_graph", None)
+        raise
+    finally:
+        if sys.stderr is held:  # NB: else someone replaced it meanwhile: leave theirs
+            sys.stderr = held.real
+        texts, skip_newline = [], False
+        for text in held.held:
+            if dump is not None and text == dump:
+                skip_newline = True
+                continue
+            if not (skip_newline and text == "\n"):
+                texts.append(text)
+            skip_newline = False
+        if texts:
+            held.real.write("".join(texts))
+
+
+def partial_graph_line(exc: BaseException) -> str | None:
+    """The model's line the partial graph of a failed export last points at
+    (``/path/model.py:12 in forward, code: if x.sum() > 0:``), or None."""
+    dump = getattr(exc, "partial_fx_graph", None)
+    if not isinstance(dump, str):
+        return None
+    places = [line.strip().removeprefix("# File: ") for line in dump.splitlines()
+              if line.strip().startswith("# File: ")]
+    return places[-1] if places else None

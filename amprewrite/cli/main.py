@@ -63,7 +63,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"amprewrite: error: {exc}", file=sys.stderr)
         return 2
     # torch logs graph dumps and warnings of failed captures; our message says what matters.
-    logging.getLogger("torch").setLevel(logging.ERROR)
+    # NB: for this command only: main() also runs in the caller's process (tests, notebooks).
+    torch_logger = logging.getLogger("torch")
+    level = torch_logger.level
+    torch_logger.setLevel(logging.ERROR)
+    try:
+        return _main(args, model, inputs, kwargs)
+    finally:
+        torch_logger.setLevel(level)
+
+
+def _main(args: argparse.Namespace, model: Any, inputs: Any, kwargs: Any) -> int:
     # NB: recorded, not shown as raised: the commands silence stderr around captures (torch
     # prints partial graphs there), which would swallow the library's warnings with it.
     with warnings.catch_warnings(record=True) as caught:

@@ -69,8 +69,22 @@ def recompile_with_bindings(gm: fx.GraphModule, *,
     if readable is not None:
         readable.positional = positional
         gm.graph._codegen = readable
+        # NB: on the module's own class (torch.fx makes one per GraphModule): no other
+        # module's code changes
+        type(gm).code = _READABLE_CODE
     gm.recompile()
     return gm
+
+
+def _code_from_its_first_line(gm: fx.GraphModule) -> str:
+    """``gm.code`` from ``def forward`` on: torch.fx writes blank lines above it, which its
+    own pickling needs (it joins its import lines and the code), so the generated code
+    (``gm._code``) keeps them and only the text people read goes without."""
+    return fx.GraphModule.code.fget(gm).lstrip("\n")  # type: ignore[attr-defined]
+
+
+_READABLE_CODE = property(_code_from_its_first_line,
+                          doc="The converted module's generated code, from its first line.")
 
 
 def plain_codegen(graph: fx.Graph) -> None:

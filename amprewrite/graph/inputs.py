@@ -136,6 +136,12 @@ def _mismatch(spec: InputSpec, got: Any) -> bool:
         s is not None and s != g for s, g in zip(spec.shape, got.shape))
 
 
+def _to_float64(spec: InputSpec, got: Any) -> bool:
+    """Whether a call passes float64 where the capture had a lower floating dtype."""
+    return isinstance(got, torch.Tensor) and got.dtype == torch.float64 and \
+        spec.dtype is not None and spec.dtype.is_floating_point and spec.dtype != torch.float64
+
+
 def _called_with(spec: InputSpec, got: Any) -> str:
     if not isinstance(got, torch.Tensor):
         return repr(got)
@@ -161,6 +167,14 @@ def input_mismatch(gm: nn.Module, model_name: str, args: tuple, kwargs: dict[str
     lines += [f"  {name}: {what}" for name, what in _other_arguments(specs, named)]
     if not lines:
         return None
+    wider = [spec.name for spec in specs
+             if spec.name in named and _to_float64(spec, named[spec.name])]
+    if wider:  # NB: not indented: cache.refit reads the indented lines as what changed
+        lines.append(
+            f"float64 is never cast by torch.autocast, so the model itself raises where "
+            f"{', '.join(wider)} meets an fp32 weight (eagerly and under autocast), while the "
+            f"graph would round it to the low dtype: pass {wider[0]}.float(), or convert with "
+            "float64 example inputs if the model is meant to compute in float64.")
     return (f"the converted {model_name} was called with inputs its capture does not fit:\n"
             + "\n".join(lines) + "\n"
             "A converted module follows new sizes by capturing again with the dimension "

@@ -10,7 +10,8 @@ __all__ = ["CSS", "JS"]
 # code, the module bars and the range chart use the same ones.
 # Narrow windows (800 px): nothing is wider than the page; a wide table scrolls in its own
 # box (.scroll), the SVG scales with its viewBox, and below 720 px the first screen's two
-# columns stack.
+# columns stack. A module's name wraps in its column (.mlabel), never cut: names that differ
+# in the middle (layers.11 and layers.17) must stay apart.
 CSS = """
 :root{--low:#2f6fce;--f32:#e0851f;--pass:#c4cad2;--fp8:#8a4fd0;--cast:#f2c230;--ink:#1d232a;
 --mute:#5f6b78;--line:#e3e6ea}
@@ -33,7 +34,7 @@ margin-bottom:6px}
 gap:8px;align-items:center;font:12px/20px ui-monospace,monospace;cursor:pointer}
 .mrow:hover:not(.mhead){background:#f3f6fb}
 .mhead{font:600 11px/18px system-ui,sans-serif;color:var(--mute);cursor:default}
-.mlabel{overflow:hidden;white-space:nowrap}.mlabel .parent{color:#98a1ab}
+.mlabel{overflow-wrap:anywhere}.mlabel .parent{color:#98a1ab}
 .mnum{text-align:right}
 .mbar,.mcast{display:flex;height:14px;background:#f1f3f5}
 .mhead .mbar,.mhead .mcast{background:none;height:auto}

@@ -18,7 +18,6 @@ TOP_LEVEL = "(top level)"
 """How the page names ops outside any submodule (the script's filter matches it too)."""
 _MAX_ROWS = 12
 """The default depth is the deepest whose chart has at most this many rows."""
-_LABEL_CHARS = 40
 
 
 def _prefix(module: str, depth: int) -> str:
@@ -50,12 +49,13 @@ def _groups(rows: Sequence[dict[str, Any]], depth: int) -> dict[str, tuple[Count
 
 
 def _label(module: str) -> str:
-    """The module's name, the part above it greyed, cut on the left when too long."""
+    """The module's whole name, the part above it greyed. A long name wraps in its column
+    after its dots (``<wbr>``; ``.mlabel`` breaks a long part too) rather than being cut:
+    ``model.layers.11.self_attn`` and ``model.layers.17.self_attn`` differ in the middle."""
     name = module or TOP_LEVEL
-    if len(name) > _LABEL_CHARS:
-        name = "…" + name[-(_LABEL_CHARS - 1):]
     parent, dot, own = name.rpartition(".")
-    return f"<span class='parent'>{escape(parent + dot)}</span>{escape(own)}"
+    return (f"<span class='parent'>{escape(parent + dot).replace('.', '.<wbr>')}</span>"
+            f"{escape(own)}")
 
 
 def _chart(groups: dict[str, tuple[Counter, set]], depth: int, shown: bool,

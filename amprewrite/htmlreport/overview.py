@@ -1,9 +1,9 @@
 """The summary beside the first chart: a small table of what was converted and how it
 compares with ``torch.autocast``, in words ("1.3x faster", "2% less memory"; speed with the
-spread of its timing rounds, or "too noisy to tell"), and the ops closest to fp16 overflow
-with their module. In a run whose low dtype is not fp16, what the audit says of fp16 (the
-overflow risk, a loss scale) answers a question, "could this run in fp16?", and is labelled
-as that, not as advice for the run."""
+spread of its timing rounds, "too noisy to tell", or "the machine is too busy to tell"), and
+the ops closest to fp16 overflow with their module. In a run whose low dtype is not fp16,
+what the audit says of fp16 (the overflow risk, a loss scale) answers a question, "could
+this run in fp16?", and is labelled as that, not as advice for the run."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import math
 from html import escape
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ..summary import AS_FAST_WITHIN, MIN_ROUNDS_TO_TELL, UNSURE, speed_spread, speed_verdict
+from ..summary import (AS_FAST_WITHIN, BUSY, MIN_ROUNDS_TO_TELL, UNSURE, speed_spread,
+                       speed_verdict)
 from .bands import breakable, magnitude
 from .modules import TOP_LEVEL
 
@@ -50,6 +51,10 @@ def _speed_row(vs_autocast: dict[str, Any]) -> str:
                     f"({spread.rounds} round{'s' if spread.rounds > 1 else ''}: "
                     f"{_ratio(spread.ratio)}x its speed; {times})",
                     vs=True)
+    if spread.busy:  # the demo's words (amprewrite.summary.speed_sentence)
+        return _row("speed", "no verdict against",
+                    f"({BUSY}: its slowest round took {spread.slowest:.0f}x the median "
+                    f"round's time, of {spread.rounds} rounds; {times})", vs=True)
     its = (f"{spread.low:.2f}x-{spread.high:.2f}x its speed, middle half of {spread.rounds} "
            "rounds")
     if spread.verdict == UNSURE:
@@ -135,11 +140,17 @@ def _audit_rows(report: "AuditReport", low: str) -> list[str]:
             _row("inf/NaN", f"first produced by {first.label} ({first.phase}) in "
                             f"{first.module or first.node or '?'}", good=False)]
     hist = report.grad_histogram
-    if hist is not None and hist.recommended_loss_scale is not None:
+    if hist is not None and hist.recommended_loss_scale is None:
+        # No scale to give (fp16 overflowed, or nothing in the low dtype): the same words
+        # as the terminal table.
+        rows.append(_row("fp16 loss scale", "-", f"({hist.advice()})"))
+    elif hist is not None:
         scale = hist.recommended_loss_scale
         power = f"2^{round(math.log2(scale))} = {scale:g}"
         grads = (f"max |grad| {hist.max_abs:.3g}; {hist.fp16_flush_fraction:.1%} of gradient "
                  "values below fp16's smallest subnormal")
+        if hist.needs_probe:
+            grads = f"an upper bound: {hist.advice().split(', an upper bound: ')[1]}; {grads}"
         if low == "fp16":
             rows.append(_row("fp16 loss scale", power, f"({grads})"))
         else:

@@ -16,14 +16,14 @@ import torch
 import torch.fx as fx
 
 from ..errors import AmpRewriteError
-from ..graph.meta import CONVERTED_KEY, cast_info, pending_split
+from ..graph.meta import CONVERTED_KEY, pending_split
 from ..graph.queries import input_dtypes
 from ..policy.opkey import op_key
 from ..policy.policy import Policy
 from .classify import ClassifyPass
 from .decompose import DecomposeCompositesPass
 from .drop_noops import DropNoOpsPass
-from .eliminate_casts import EliminateCastsPass, _report
+from .eliminate_casts import EliminateCastsPass
 from .fit_constants import FitConstantsPass
 from .fold_constants import FoldConstantsPass
 from .fp8 import Fp8LinearPass
@@ -70,7 +70,6 @@ def run_passes(gm: fx.GraphModule, policy: Policy, dtype: torch.dtype, *,
     ``mark_converted``: record the policy in ``gm.meta`` (what ``explain()`` reads and what
     makes a later ``convert`` of ``gm`` reuse its graph); the opt levels O2/O3 record their
     level instead."""
-    report = _report(gm)
     before, rounds, after = _phases(policy, dtype)
     run_in_order(before, gm)
     for count in range(1, _MAX_ROUNDS + 2):
@@ -87,9 +86,6 @@ def run_passes(gm: fx.GraphModule, policy: Policy, dtype: torch.dtype, *,
                 + ". Please report this model; Policy().override(ops={...}) on these ops "
                 "keeps them whole meanwhile.")
     run_in_order(after, gm)
-    casts = [n for n in gm.graph.nodes if cast_info(n) is not None]
-    report.inserted = len(casts)
-    report.guarded = sum(1 for n in casts if cast_info(n).guarded)
     if mark_converted:
         gm.meta[CONVERTED_KEY] = (policy, dtype)
     gm.graph.lint()

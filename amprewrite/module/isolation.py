@@ -8,7 +8,11 @@ and its parameters replaced by fakes for the duration. Two things must not see t
   dicts the module shares with it). :data:`CAPTURE_LOCK` is a readers-writer lock: a call runs
   its graph as a reader (many at once), a capture as the writer (alone, after the running
   calls finish). A thread that holds the writer may read (a capture that calls a converted
-  submodule), and a reader may capture (it waits for the other readers only).
+  submodule), and a reader may capture: it sets its reads aside while it waits and takes
+  them back when its capture ends. A read is never upgraded in place: two readers that both
+  need a capture (a dynamic batcher's threads, each with a new batch size) would each wait
+  for the other's read forever. What a reader looked up before it waited may have changed by
+  then: every capture looks again first (another thread may have captured what it needs).
 * **the modes active at the call**: the auditor's dispatch mode, a user's
   ``TorchFunctionMode`` or ``TorchDispatchMode``. A capture under them would record fake
   tensors into the audit, or trace the mode's own code, or dead-lock (a dispatch mode seeing
@@ -63,9 +67,19 @@ class CaptureLock:
     def writing(self) -> Iterator[None]:
         me = threading.get_ident()
         with self._cond:
-            while (self._writer is not None and self._writer != me) or \
-                    any(t != me for t in self._readers):
-                self._cond.wait()
+            # This thread's reads are set aside, not upgraded (module docstring); a nested
+            # write (the writer already) keeps them.
+            set_aside = self._readers.pop(me, 0) if self._writer != me else 0
+            if set_aside:
+                self._cond.notify_all()  # a writer waiting for this read may go first
+            try:
+                while (self._writer is not None and self._writer != me) or \
+                        any(t != me for t in self._readers):
+                    self._cond.wait()
+            except BaseException:  # interrupted while waiting: the reads are the caller's
+                if set_aside:
+                    self._readers[me] = self._readers.get(me, 0) + set_aside
+                raise
             self._writer = me
             self._writes += 1
         try:
@@ -75,7 +89,9 @@ class CaptureLock:
                 self._writes -= 1
                 if not self._writes:
                     self._writer = None
-                    self._cond.notify_all()
+                if set_aside:
+                    self._readers[me] = self._readers.get(me, 0) + set_aside
+                self._cond.notify_all()
 
 
 CAPTURE_LOCK = CaptureLock()

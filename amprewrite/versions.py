@@ -21,8 +21,8 @@ __all__ = ["TORCH_RANGE", "TRANSFORMERS_RANGE", "check_torch", "check_transforme
 
 TORCH_RANGE = ("2.11", "2.15")
 """Supported torch releases: at least the first, below the second (2.11.0 to 2.14.x)."""
-TRANSFORMERS_RANGE = ("5.17", "5.25")
-"""Supported transformers releases on the HF paths (5.17.0 to 5.24.x)."""
+TRANSFORMERS_RANGE = ("5.17", "5.26")
+"""Supported transformers releases on the HF paths (5.17.0 to 5.25.x)."""
 
 _warned: set[str] = set()
 

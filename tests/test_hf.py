@@ -18,16 +18,16 @@ transformers = pytest.importorskip("transformers")
 
 def bert(attn: str = "eager") -> nn.Module:
     config = transformers.BertConfig(
-        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
         intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0, attn_implementation=attn)
     torch.manual_seed(0)
     return transformers.BertModel(config).eval()
 
 
-def gpt2(attn: str = "eager") -> nn.Module:
+def gpt2(attn: str = "eager", layers: int = 1) -> nn.Module:
     config = transformers.GPT2Config(
-        vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, use_cache=False,
+        vocab_size=128, n_embd=64, n_layer=layers, n_head=4, n_positions=64, use_cache=False,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attn,
         bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
@@ -130,7 +130,7 @@ def test_trains_like_autocast(name: str, path: str) -> None:
 
 
 def test_keep_fp32_on_a_transformer_block() -> None:
-    model, args = gpt2(), inputs("gpt2")
+    model, args = gpt2(layers=2), inputs("gpt2")  # one block of two kept in fp32
     policy = Policy().override(keep_fp32=["h.1.mlp"])
     gm = amprewrite.convert(model, args, policy=policy)
     text = amprewrite.explain(gm)
@@ -138,3 +138,47 @@ def test_keep_fp32_on_a_transformer_block() -> None:
     assert text.count("linear  ") + text.count("addmm  ") >= 8
     with torch.no_grad():
         assert hidden(gm(*args)).dtype == torch.float32
+
+
+# -- what transformers 5.25 changed under the capture -----------------------------------------
+def test_packed_position_ids_match_autocast() -> None:
+    """transformers 5.25 passes ``position_ids`` to the attention-mask builders of encoders
+    (BERT), which read a packed batch (positions restarting at 0) as separate sequences. The
+    capture sees the mask that eager builds: bitwise with autocast, packed or not, with and
+    without an attention mask."""
+    model = bert()
+    ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(2))
+    packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]])
+    for kwargs in ({"position_ids": packed},
+                   {"position_ids": packed, "attention_mask": torch.ones_like(ids)}):
+        gm = amprewrite.convert(model, (ids,), example_kwargs=kwargs,
+                                policy=Policy.autocast("cpu"))
+        with torch.no_grad():
+            got = gm(ids, **kwargs).last_hidden_state
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                want = model(ids, **kwargs).last_hidden_state
+            plain = model(ids).last_hidden_state
+        assert torch.equal(got, want), sorted(kwargs)
+        assert not torch.equal(want.float(), plain)  # the positions reached the model
+
+
+def test_a_deprecated_keyword_in_the_signature_is_not_an_input() -> None:
+    """transformers 5.25 adds a deprecated keyword (``past_key_values``, renamed ``cache``) to
+    the signature of some models' functions (MBart, Pegasus, Blenderbot, M2M100) so that
+    code reading ``inspect.signature`` keeps passing it; the capture binds the forward's
+    keywords by signature, and must not take it for an input."""
+    config = transformers.MBartConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_position_embeddings=32, dropout=0.0, pad_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.MBartForConditionalGeneration(config).eval()
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    decoder_ids = torch.randint(3, 64, (2, 5), generator=torch.Generator().manual_seed(4))
+    gm = amprewrite.convert(model, (ids,), example_kwargs={"decoder_input_ids": decoder_ids},
+                            policy=Policy.autocast("cpu"))
+    with torch.no_grad():
+        got = gm(ids, decoder_input_ids=decoder_ids).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = model(ids, decoder_input_ids=decoder_ids).logits
+    assert torch.equal(got, want)

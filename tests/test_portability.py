@@ -88,7 +88,7 @@ def test_a_transformers_outside_the_range_warns_once(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(versions, "_warned", set())
     monkeypatch.setitem(sys.modules, "transformers", FakeTransformers)
-    with pytest.warns(UserWarning, match=r"transformers 4\.57\.1.*>=5\.17,<5\.25"):
+    with pytest.warns(UserWarning, match=r"transformers 4\.57\.1.*>=5\.17,<5\.26"):
         versions.check_transformers()
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -10,7 +10,10 @@ twice autocast's distance from fp32. The full detectors cannot be converted at O
 ``convert``, which needs an export); their exportable backbone takes one SGD step there.
 
 Small on purpose: 2 images of 64x80, ``min_size``/``max_size`` 64/96 (SSDlite's size is
-fixed at 320), few proposals and detections, the rewritten graphs run eagerly
+fixed at 320), few proposals and detections, narrow mask and keypoint heads (one and two
+convolutions of 32 channels where torchvision builds four of 256 and eight of 512: the same
+layers and Python, a fraction of the arithmetic, which a CPU without native bf16 emulates),
+the rewritten graphs run eagerly
 (``eager=True``: Inductor would spend minutes compiling 300 graphs on a CPU). Dynamo's
 tracing dominates the run time, about 10 s per detector and mode on one thread.
 """
@@ -72,12 +75,29 @@ def _detector(name: str) -> nn.Module:
         "fcos": lambda: tv.fcos_resnet50_fpn(num_classes=5, **none, **SIZE, **ONE_STAGE),
         "ssdlite": lambda: tv.ssdlite320_mobilenet_v3_large(num_classes=5, **none,
                                                             **ONE_STAGE),
-        "maskrcnn": lambda: tv.maskrcnn_resnet50_fpn(num_classes=5, **none, **SIZE, **RCNN),
-        "keypointrcnn": lambda: tv.keypointrcnn_resnet50_fpn(
-            num_classes=2, num_keypoints=3, **none, **SIZE, **RCNN),
+        "maskrcnn": lambda: _narrow_heads(tv.maskrcnn_resnet50_fpn(
+            num_classes=5, **none, **SIZE, **RCNN)),
+        "keypointrcnn": lambda: _narrow_heads(tv.keypointrcnn_resnet50_fpn(
+            num_classes=2, num_keypoints=3, **none, **SIZE, **RCNN)),
     }
     torch.manual_seed(0)
     return builders[name]()
+
+
+def _narrow_heads(model: nn.Module) -> nn.Module:
+    """The mask or keypoint head of a built detector replaced by a narrow one, seeded: the
+    builders take no head with ``num_classes`` given, so they are swapped after."""
+    from torchvision.models.detection import keypoint_rcnn, mask_rcnn
+
+    heads = model.roi_heads
+    torch.manual_seed(1)
+    if heads.mask_head is not None:
+        heads.mask_head = mask_rcnn.MaskRCNNHeads(256, [32], 1)
+        heads.mask_predictor = mask_rcnn.MaskRCNNPredictor(32, 32, 5)
+    if heads.keypoint_head is not None:
+        heads.keypoint_head = keypoint_rcnn.KeypointRCNNHeads(256, [32, 32])
+        heads.keypoint_predictor = keypoint_rcnn.KeypointRCNNPredictor(32, 3)
+    return model
 
 
 DETECTORS = ["fasterrcnn", "retinanet", "fcos", "ssdlite", "maskrcnn", "keypointrcnn"]

@@ -143,12 +143,11 @@ def test_folding_leaves_state_dict_and_parameters_alone() -> None:
 
 def test_opt_levels_fold_too() -> None:
     model = Encoder()
-    for level in ("O0", "O2", "O3"):
+    for level in ("O2", "O3", "O0"):  # O0's module is the one run below
         gm = amprewrite.convert(model, (tokens(),), opt_level=level,
                                 dtype=None if level == "O0" else torch.bfloat16)
         assert aten.meshgrid.indexing not in targets(gm), level
         assert len(folded_attrs(gm)) == 1, level
-    gm = amprewrite.convert(model, (tokens(),), opt_level="O0")
     with torch.no_grad():
         assert torch.equal(gm(tokens(batch=3)), model(tokens(batch=3)))
 

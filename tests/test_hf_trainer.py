@@ -22,7 +22,7 @@ PRESET = amprewrite.Policy.autocast("cpu", torch.bfloat16)
 
 def _model() -> torch.nn.Module:
     config = transformers.GPT2Config(
-        vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0,
+        vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32, resid_pdrop=0.0,
         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config).train()
@@ -127,7 +127,7 @@ class _Ragged(torch.utils.data.Dataset):
     """Rows of 5 to 16 tokens: a padding collator makes every batch another length."""
 
     def __len__(self) -> int:
-        return 22  # batches of 4: the last one holds 2 rows
+        return 10  # batches of 4: the last one holds 2 rows
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(i)
@@ -192,7 +192,7 @@ def test_trainer_with_a_padding_collator_matches_autocast_bitwise(route: str,
                   if issubclass(w.category, amprewrite.RecaptureWarning)]
     assert loss == train(twin, "autocast", bf16=True), recaptures
     # NB: GPT-2's padded mask makes torch.export specialise the length (a graph per length,
-    # said once), so the count is bounded by the lengths here, not by one
-    assert len(recaptures) <= 7, "\n".join(recaptures)
+    # said once), so the count is bounded by the batches here (3), not by one
+    assert len(recaptures) <= 3, "\n".join(recaptures)
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(p, q), name

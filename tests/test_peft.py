@@ -29,7 +29,7 @@ VOCAB = 64
 
 def _base(kv_heads: int = 4, attention: str = "sdpa") -> torch.nn.Module:
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=kv_heads, use_cache=False,
         attn_implementation=attention)
     torch.manual_seed(0)

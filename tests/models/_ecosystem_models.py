@@ -304,10 +304,10 @@ def hf_llava() -> nn.Module:
     import transformers
 
     vision = transformers.CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=32,
-                                           intermediate_size=64, num_hidden_layers=2,
+                                           intermediate_size=64, num_hidden_layers=1,
                                            num_attention_heads=2)
     text = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                    num_hidden_layers=2, num_attention_heads=2,
+                                    num_hidden_layers=1, num_attention_heads=2,
                                     num_key_value_heads=1, max_position_embeddings=64,
                                     pad_token_id=0, bos_token_id=1, eos_token_id=2,
                                     use_cache=False, tie_word_embeddings=False)

@@ -34,14 +34,16 @@ ABS_FLOOR = 1e-5
 not make the 2x-autocast bound zero."""
 
 O2_LOSS_RTOL = 0.05
-"""How far the O2 loss may be from the O1 loss, relative to it: bf16 weights carry about 3
-significant digits, so the first loss differs in the second or third digit."""
+"""How far the O2 loss may be from eager autocast's loss, relative to it: bf16 weights carry
+about 3 significant digits, so the first loss differs in the second or third digit."""
 
-INDUCTOR = frozenset({"llama", "bert", "vit", "resnet"})
-"""Architectures whose ``compile`` check runs full Inductor (one decoder, one encoder, one
-vision transformer, one convolutional network): Inductor takes seconds to tens of seconds per
-model on a small CPU, so the others run the rewritten Dynamo graphs eagerly
-(``eager=True``), which exercises the same capture and rewrite."""
+INDUCTOR = frozenset({"llama"})
+"""Architectures whose ``compile`` check runs full Inductor: Inductor takes tens of seconds
+per model on a small CPU (on two cores without native bf16, 20 to 30 s each), so the others
+run the rewritten Dynamo graphs eagerly (``eager=True``), which exercises the same capture
+and rewrite; one decoder through Inductor shows the rewritten HF graphs compile. Inductor
+forward and backward on a model with its own autocast regions, and AOTInductor on an exported
+converted module, are ``test_backend.py``'s and ``test_distributed.py``'s."""
 
 KNOWN_GAPS: dict[tuple[str, str], str] = {
     ("bloom", "preset_grads"):
@@ -255,17 +257,21 @@ def check_preset_grads(arch: ZooEntry) -> None:
     _expect_same_grads(model, twin)
 
 
-def _o1_loss(arch: ZooEntry, model: nn.Module, example: Example) -> float:
-    gm = _convert(copy.deepcopy(model), example)
+def _autocast_loss(arch: ZooEntry, model: nn.Module, example: Example) -> float:
+    # NB: eager autocast, not an O1 conversion: the reference needs no capture of its own
+    # (O1's closeness to fp32 is check_default's).
+    with torch.no_grad(), torch.autocast("cpu", dtype=LOW):
+        out = _call(model, example)
     with torch.no_grad():
-        return arch.loss(_call(gm, example)).item()
+        return arch.loss(out).item()
 
 
 def check_o2_step(arch: ZooEntry) -> None:
     """O2 (bf16 weights, fp32 masters) and AdamW bound with ``MasterWeights``: one step with
-    a finite loss close to O1's, fp32 masters, and refreshed low-precision copies after it."""
+    a finite loss close to eager autocast's, fp32 masters, and refreshed low-precision copies
+    after it."""
     model, example = arch.build().train(), arch.example()
-    reference = _o1_loss(arch, model, example)
+    reference = _autocast_loss(arch, copy.deepcopy(model), example)
     gm = _convert(model, example, opt_level="O2", dtype=LOW)
     opt = torch.optim.AdamW(gm.parameters(), lr=1e-3)
     amprewrite.MasterWeights(gm, opt)
@@ -273,7 +279,7 @@ def check_o2_step(arch: ZooEntry) -> None:
     value = loss.item()
     _expect(math.isfinite(value), lambda: f"o2_step: loss is {value}")
     _expect(abs(value - reference) <= O2_LOSS_RTOL * abs(reference),
-            lambda: f"o2_step: loss {value:.6g} vs O1's {reference:.6g}: relative difference "
+            lambda: f"o2_step: loss {value:.6g} vs autocast's {reference:.6g}: relative difference "
                     f"{abs(value - reference) / abs(reference):.3g} > {O2_LOSS_RTOL}")
     loss.backward()
     opt.step()

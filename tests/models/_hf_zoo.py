@@ -1,8 +1,13 @@
 """A zoo of real HuggingFace ``transformers`` architectures in tiny random configurations.
 
-Every entry is an :class:`Arch`: the model class users train, a tiny config (2 layers, hidden
-size 32-64, 2-4 heads, vocabulary 128, sequences of 12 tokens, 32x32 images), seeded example
-inputs, and how to read one output tensor and a training loss off the model's output. Nothing
+Every entry is an :class:`Arch`: the model class users train, a tiny config (one layer, which
+holds every op of the architecture; two where the layers differ or interact: alternating
+sliding and global attention, one layer's weights run twice, a checkpoint per layer, a
+relative-position bias the first layer computes and the others reuse, encoder-decoders,
+stages, and the known gaps, measured on two; hidden size 32-64, 2-4 heads, vocabulary 128,
+sequences of 12 tokens, 32x32 images), seeded example inputs, and how to read one output
+tensor and a training loss off the model's output. One layer rather than two takes about a
+third off every capture, which is most of the zoo's time on a small CPU. Nothing
 is downloaded: models are built from config objects with ``torch.manual_seed(0)``, so two
 builds are equal. Every dropout (and layer drop, drop path, SpecAugment masking) is 0, so
 train mode is deterministic and two copies of a model train identically.
@@ -152,15 +157,15 @@ def _config(cls: type[transformers.PretrainedConfig], attn: str = "eager",
     return build
 
 
-_DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+_DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                 num_attention_heads=2, max_position_embeddings=64, pad_token_id=0,
                 bos_token_id=1, eos_token_id=2, use_cache=False, tie_word_embeddings=False)
 _GQA = dict(_DECODER, num_key_value_heads=1)
-_ENCODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+_ENCODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                 num_attention_heads=2, max_position_embeddings=64, pad_token_id=0)
 _VIT = dict(image_size=IMAGE, patch_size=8, hidden_size=32, intermediate_size=64,
-            num_hidden_layers=2, num_attention_heads=2)
-_GPT2 = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64,
+            num_hidden_layers=1, num_attention_heads=2)
+_GPT2 = dict(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64,
              bos_token_id=0, eos_token_id=0, use_cache=False)
 _BART = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
              encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
@@ -195,25 +200,25 @@ ZOO: tuple[Arch, ...] = (
     _decoder("mistral", T.MistralConfig, T.MistralForCausalLM, sliding_window=8, **_GQA),
     _decoder("gemma", T.GemmaConfig, T.GemmaForCausalLM, head_dim=16, **_GQA),
     _decoder("gemma2", T.Gemma2Config, T.Gemma2ForCausalLM, head_dim=16, sliding_window=8,
-             query_pre_attn_scalar=16, **_GQA),
+             query_pre_attn_scalar=16, **dict(_GQA, num_hidden_layers=2)),  # sliding, global
     _decoder("qwen2", T.Qwen2Config, T.Qwen2ForCausalLM, **_GQA),
     _decoder("qwen3", T.Qwen3Config, T.Qwen3ForCausalLM, head_dim=16, **_GQA),
     _decoder("phi", T.PhiConfig, T.PhiForCausalLM, partial_rotary_factor=0.5, **_DECODER),
     _decoder("phi3", T.Phi3Config, T.Phi3ForCausalLM, **_DECODER),
     _decoder("falcon", T.FalconConfig, T.FalconForCausalLM, vocab_size=VOCAB, hidden_size=32,
-             num_hidden_layers=2, num_attention_heads=2, use_cache=False),
+             num_hidden_layers=1, num_attention_heads=2, use_cache=False),
     _decoder("bloom", T.BloomConfig, T.BloomForCausalLM, vocab_size=VOCAB, hidden_size=32,
              n_layer=2, n_head=2, use_cache=False),  # ALiBi position biases
     Arch("opt_cache", "decoder", T.OPTForCausalLM,
          _config(T.OPTConfig, vocab_size=VOCAB, hidden_size=32, word_embed_proj_dim=32,
-                 ffn_dim=64, num_hidden_layers=2, num_attention_heads=2,
+                 ffn_dim=64, num_hidden_layers=1, num_attention_heads=2,
                  max_position_embeddings=64, use_cache=True),  # returns a DynamicCache
          text_inputs, logits, cross_entropy_on(logits)),
     Arch("gpt2_labels", "decoder", T.GPT2LMHeadModel,
          _config(T.GPT2Config, **_GPT2),
          text_inputs_with_labels, logits, model_loss),  # the loss is computed inside
     Arch("gpt2_ckpt", "decoder", T.GPT2LMHeadModel,
-         _config(T.GPT2Config, **_GPT2),
+         _config(T.GPT2Config, **dict(_GPT2, n_layer=2)),  # a checkpoint per layer
          text_inputs, logits, cross_entropy_on(logits), gradient_checkpointing=True),
     _decoder("gpt_neox", T.GPTNeoXConfig, T.GPTNeoXForCausalLM, rotary_pct=0.5, **_DECODER),
     # -- mixtures of experts -------------------------------------------------------------
@@ -234,9 +239,10 @@ ZOO: tuple[Arch, ...] = (
              pos_att_type=["p2c", "c2p"], **_ENCODER),
     _encoder("electra", T.ElectraConfig, T.ElectraForPreTraining, embedding_size=32,
              **_ENCODER),
-    _encoder("albert", T.AlbertConfig, T.AlbertForMaskedLM, embedding_size=16, **_ENCODER),
+    _encoder("albert", T.AlbertConfig, T.AlbertForMaskedLM, embedding_size=16,
+             **dict(_ENCODER, num_hidden_layers=2)),  # one layer's weights, run twice
     _encoder("distilbert", T.DistilBertConfig, T.DistilBertForSequenceClassification,
-             vocab_size=VOCAB, dim=32, hidden_dim=64, n_layers=2, n_heads=2,
+             vocab_size=VOCAB, dim=32, hidden_dim=64, n_layers=1, n_heads=2,
              max_position_embeddings=64, num_labels=3),
     # -- encoder-decoders ----------------------------------------------------------------
     Arch("t5", "encoder-decoder", T.T5ForConditionalGeneration,
@@ -267,7 +273,8 @@ ZOO: tuple[Arch, ...] = (
             use_relative_position_bias=True, **_VIT),
     # 48x48 inputs on a 32x32 config: position embeddings are interpolated (bicubic)
     _vision("dinov2", T.Dinov2Config, T.Dinov2Model, read=last_hidden_state,
-            loss=mean_square_of(last_hidden_state), size=48, **_VIT),
+            loss=mean_square_of(last_hidden_state), size=48,
+            **dict(_VIT, num_hidden_layers=2)),
     _vision("clip_vision", T.CLIPVisionConfig, T.CLIPVisionModel, read=pooler_output,
             loss=mean_square_of(pooler_output), **_VIT),
     _vision("siglip_vision", T.SiglipVisionConfig, T.SiglipVisionModel, read=pooler_output,

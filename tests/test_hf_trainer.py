@@ -192,7 +192,8 @@ def test_trainer_with_a_padding_collator_matches_autocast_bitwise(route: str,
                   if issubclass(w.category, amprewrite.RecaptureWarning)]
     assert loss == train(twin, "autocast", bf16=True), recaptures
     # NB: GPT-2's padded mask makes torch.export specialise the length (a graph per length,
-    # said once), so the count is bounded by the batches here (3), not by one
-    assert len(recaptures) <= 3, "\n".join(recaptures)
+    # said once), so the count is bounded by the batches here (3), not by one; and the
+    # Trainer sets config.use_cache (a state the capture read: one more)
+    assert len(recaptures) <= 4, "\n".join(recaptures)
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(p, q), name

@@ -68,28 +68,29 @@ class InputGuards(nn.Module):
 
     def __init__(self, check: Callable[..., None], traced: Callable[..., None],
                  floating: tuple[bool | None, ...] = (),
-                 no_float64: tuple[bool, ...] = ()) -> None:
+                 no_float64: frozenset[int] = frozenset()) -> None:
         super().__init__()
         self._check = check
         self._traced = traced
         self._floating = floating
         """Per argument: whether the captured tensor was floating; None for non-tensors."""
-        self._no_float64 = no_float64
-        """Per argument: whether a float64 tensor there is refused (:func:`refuse_float64`);
-        empty where none is."""
+        self._no_float64 = frozenset(no_float64)
+        """The arguments where a float64 tensor is refused (:func:`refuse_float64`)."""
 
     def forward(self, *args: Any) -> None:
         if torch.compiler.is_dynamo_compiling():
             return self._traced(*args)  # Dynamo guards on dtypes itself
+        # NB: one pass over the arguments (a call's hot path): the kind, then float64
         for i, (x, floating) in enumerate(zip(args, self._floating)):
-            if floating is not None and x.is_floating_point() is not floating:
+            if floating is None:
+                continue
+            if x.is_floating_point() is not floating:
                 raise AmpRewriteError(
                     f"argument {i} of the converted module's forward is a {x.dtype} tensor, "
                     f"where the capture traced a{' floating' if floating else 'n integer'} "
                     "one: the graph holds the model's code for that kind of tensor. Convert "
                     "again with example inputs of the dtypes you will pass.")
-        for i, (x, refused) in enumerate(zip(args, self._no_float64)):
-            if refused and x.dtype is torch.float64:
+            if floating and i in self._no_float64 and x.dtype is torch.float64:
                 raise AmpRewriteError(
                     f"argument {i} of the converted module's forward is a torch.float64 "
                     "tensor, where the capture traced a lower-precision floating one: "
@@ -112,7 +113,7 @@ class InputGuards(nn.Module):
 
 def _rebuilt_guards(code: bytes, version: tuple[int, int],
                     floating: tuple[bool | None, ...] = (),
-                    no_float64: tuple[bool, ...] = ()) -> InputGuards:
+                    no_float64: frozenset[int] = frozenset()) -> InputGuards:
     if version != sys.version_info[:2]:
         raise TypeError(
             f"amprewrite: this converted module was pickled on Python {version[0]}.{version[1]} "
@@ -172,8 +173,8 @@ def refuse_float64(gm: fx.GraphModule) -> None:
     call = next((n for n in gm.graph.nodes if is_input_guards(n)), None)
     if not isinstance(guards, InputGuards) or call is None:
         return
-    refused = tuple(isinstance(a, fx.Node) and _reaches_inserted_cast(a) for a in call.args)
-    guards._no_float64 = refused if any(refused) else ()
+    guards._no_float64 = frozenset(i for i, a in enumerate(call.args)
+                                   if isinstance(a, fx.Node) and _reaches_inserted_cast(a))
 
 
 def _reaches_inserted_cast(arg: fx.Node) -> bool:

@@ -131,10 +131,16 @@ class GradHistogram:
         if self.what_if:
             return line + " (fp16 what-if: the bf16 gradients as fp16 would hold them)"
         if self.needs_probe:
-            return (line + f", an upper bound: fp16 flushed gradients below 2^-24 at this "
-                    f"scale, hiding what a larger one gives; audit one more step with the loss "
-                    f"multiplied by {scale:g} and multiply its recommendation by {scale:g}")
+            return line + f", an upper bound: {self.probe()}"
         return line
+
+    def probe(self) -> str:
+        """Why the recommendation is an upper bound, and the step that settles it (the
+        words :meth:`advice` and the HTML report use when :attr:`needs_probe`)."""
+        scale = self.recommended_loss_scale
+        return (f"fp16 flushed gradients below 2^-24 at this scale, hiding what a larger one "
+                f"gives; audit one more step with the loss multiplied by {scale:g} and "
+                f"multiply its recommendation by {scale:g}")
 
     def rows(self, scale: float = 1.0) -> list[tuple[str, int, float, str]]:
         """(bucket, count, share, fp16 fate) per nonempty bucket, largest first; ``scale``

@@ -150,7 +150,7 @@ def _audit_rows(report: "AuditReport", low: str) -> list[str]:
         grads = (f"max |grad| {hist.max_abs:.3g}; {hist.fp16_flush_fraction:.1%} of gradient "
                  "values below fp16's smallest subnormal")
         if hist.needs_probe:
-            grads = f"an upper bound: {hist.advice().split(', an upper bound: ')[1]}; {grads}"
+            grads = f"an upper bound: {hist.probe()}; {grads}"
         if low == "fp16":
             rows.append(_row("fp16 loss scale", power, f"({grads})"))
         else:

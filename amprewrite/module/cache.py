@@ -115,7 +115,7 @@ class Entry:
 
 
 class Recipe(Protocol):
-    """How a converted module captures its model (``convert``'s ``_Recapture``)."""
+    """How a converted module captures its model (:class:`amprewrite.recipe.CaptureRecipe`)."""
 
     model: nn.Module
     has_inputs: bool

@@ -251,3 +251,87 @@ def test_the_first_conversion_in_a_process_holds_its_guards_at_once() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# every path is the model's, where a capture's child holds constants torch.export lifted
+class _Scaled(nn.Module):
+    """A child whose forward makes a tensor constant: torch.export lifts it, and its unlifted
+    module holds it under this child's path, which the model's child does not hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * torch.tensor([2.0, 1.0, 0.5, 1.0, 2.0, 1.0, 0.5, 1.0])
+
+
+class _Lifting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(_Scaled(), nn.ReLU())
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+def _assert_every_path_is_the_models(gm: nn.Module, model: nn.Module) -> None:
+    paths = [(path, module) for path, module in model.named_modules() if path]
+    assert paths
+    for path, module in paths:
+        assert gm.get_submodule(path) is module, path
+        parent, _, name = path.rpartition(".")
+        if name:  # attribute access, as user code reads it (gm.model.layers)
+            assert getattr(gm.get_submodule(parent), name) is module, path
+    assert [n for n, _ in gm.named_modules()][1:] == [n for n, _ in model.named_modules()][1:]
+    assert [(n, id(p)) for n, p in gm.named_parameters()] == \
+        [(n, id(p)) for n, p in model.named_parameters()]
+    assert list(gm.state_dict()) == list(model.state_dict())
+
+
+def test_a_child_holding_lifted_constants_is_the_models() -> None:
+    """The capture's ``block.0`` holds a constant the model's does not: the graph reads it
+    from a root buffer, and ``gm.block`` is the model's, at every path, bitwise as eager."""
+    model = _Lifting()
+    signature = torch.export.export(model, (X,)).graph_signature
+    lifted = [n for n in signature.lifted_tensor_constants if n.startswith("block.")]
+    assert lifted, "this torch lifts the constant elsewhere: the test checks nothing"
+    gm = _convert(model, "export")
+    _assert_every_path_is_the_models(gm, model)
+    assert type(gm.block) is nn.Sequential and list(gm.block) == list(model.block)
+    assert not any(isinstance(v, nn.Module) for k, v in vars(gm).items() if k in model._modules)
+    assert torch.equal(gm(X), _eager(model, X))
+    moved = [n for n, _ in gm.named_buffers(recurse=False) if n.startswith("block_")]
+    assert len(moved) == 1 and moved[0] not in gm.state_dict()  # a root buffer, not saved
+    gm.double()  # which follows the module
+    assert gm.get_buffer(moved[0]).dtype == torch.float64
+    gm.float()
+    assert torch.equal(gm(X), _eager(model, X))
+    twin = copy.deepcopy(gm)  # a copy reads its own copy of the constant
+    _assert_every_path_is_the_models(twin, amprewrite.module.tree.view_model(twin))
+    assert torch.equal(twin(X), gm(X))
+    model.head = nn.Linear(8, 4)  # a new state: captured again, the tree still the model's
+    assert torch.equal(_quiet_call(gm, X), _eager(model, X))
+    _assert_every_path_is_the_models(gm, model)
+
+
+def test_every_path_of_an_hf_llama_is_the_models() -> None:
+    """The rotary and attention code of an HF Llama makes tensor constants that torch.export
+    lifts into its attention blocks; ``gm.model`` is still the model's ``LlamaModel``, its
+    layers a ``ModuleList`` that FSDP2's ``fully_shard`` can take one by one."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    gm = amprewrite.convert(model, (ids,), policy=PRESET)
+    _assert_every_path_is_the_models(gm, model)
+    assert gm.model is model.model and list(gm.model.layers) == list(model.model.layers)
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = model(ids).logits
+    assert torch.equal(gm(ids).logits, expected)
+

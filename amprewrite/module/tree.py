@@ -16,10 +16,16 @@ on the converted module (``gm.head = ...`` sets the model's), at once, with noth
 The modules of a graph's own, torch.export's input check ``_guards_fn`` and the sub-graphs of
 higher-order ops and fused attention, become plain attributes of the module holding the
 graph (exchanged with it, :func:`~.sharing.exchange_graphs`): no helper is a child, so none
-is in ``named_modules()``, ``state_dict()`` or a trainer's count of modules in eval mode. A
-capture's module that is not a mirror of the model's child at its path (a mirror holding a
-tensor the model's child does not) is such a plain attribute too, which the graph reads in
-place of the child.
+is in ``named_modules()``, ``state_dict()`` or a trainer's count of modules in eval mode.
+
+Every path below the root is the model's, including a path where the capture's module holds
+more than the model's: torch.export lifts a tensor that the forward makes (HF Llama's
+attention blocks make some) into the module that made it, where the model's module does not
+hold it. The graph reads such a tensor from a non-persistent buffer of the converted module's
+root (out of ``state_dict()``, moved by ``gm.to()``), and a leaf module's copy that the graph
+calls from a plain attribute (:func:`adopt_children`); so ``gm.model is model.model``, and
+``list(gm.model.layers)`` and FSDP2's ``fully_shard(gm.model.layers[0])`` take the model's
+blocks.
 
 One root-level change is left to follow: a tensor replaced on or added to the model's root
 (the converted module's root holds the capture's constants beside the model's root tensors,
@@ -39,10 +45,16 @@ Before and after, for ``convert(model, (x,))`` of a model with ``fc`` and ``head
     gm._modules is model._modules                           # after: True
     model.head = nn.Linear(16, 3); gm.head is model.head   # after: True, at once
     [n for n, _ in gm.named_children()]                     # after: ['fc', 'head']
+
+and for ``convert(llama, (ids,))`` of an HF ``LlamaForCausalLM``::
+
+    gm.model.layers           # before: Module() (a capture's, holding lifted_tensor_0)
+    gm.model is llama.model   # after: True (the graph reads the constant off the root)
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Any, Iterator
 
@@ -52,6 +64,7 @@ import torch.nn as nn
 from torch.nn.modules.module import (register_module_buffer_registration_hook,
                                      register_module_parameter_registration_hook)
 
+from ..runtime.weight_table import WEIGHTS_ATTR, WeightTable, is_fetch
 from .cache import cache_of
 from .sharing import mirrors
 
@@ -68,19 +81,105 @@ _hooks_installed = [False]
 
 
 def adopt_children(gm: fx.GraphModule, model: nn.Module) -> None:
-    """Make ``gm``'s table of children the model's (module docstring); each child of ``gm``
-    that is not the model's or a mirror of it becomes a plain attribute of ``gm``.
-    Idempotent."""
+    """Make ``gm``'s table of children the model's (module docstring). What a capture's child
+    holds that the model's child does not, its graph reads from elsewhere: a tensor (a
+    constant torch.export lifted) from a non-persistent buffer of ``gm``'s root, a module
+    (a leaf module's copy) from a plain attribute of ``gm`` (:func:`_move_own_parts`). A
+    child at a path the model does not have (torch.export's input check, a sub-graph) becomes
+    a plain attribute of ``gm``. Idempotent."""
     theirs = model._modules
     modules = gm.__dict__["_modules"]
     if modules is theirs:
         return
+    moved: dict[str, str] = {}
     for name, child in modules.items():
         model_child = theirs.get(name)
         if child is model_child or (model_child is not None and mirrors(child, model_child)):
             continue
-        gm.__dict__[name] = child  # the graph's own: read and called as an attribute
+        if model_child is None:
+            gm.__dict__[name] = child  # the graph's own: read and called as an attribute
+        else:
+            moved.update(_move_own_parts(gm, name, child, model_child))
     gm.__dict__["_modules"] = theirs
+    if moved:
+        _retarget(gm, moved)
+
+
+def _move_own_parts(gm: fx.GraphModule, name: str, child: nn.Module,
+                    model_child: nn.Module) -> dict[str, str]:
+    """Move what the capture's ``child`` at ``name`` holds beside the model's ``model_child``
+    out of the tree: each module that is neither a plain ``nn.Module`` nor the model's one at
+    its path (with what it holds) to a plain attribute of ``gm``, each other tensor that is
+    not the model's one at its path to a non-persistent root buffer (it follows ``gm.to()``
+    and stays out of ``state_dict()``). Returns ``{path the graph reads: new name}``."""
+    if type(child) is not nn.Module:  # a leaf module's copy, a graph's own module
+        return {name: _plain_attr(gm, name, child)}
+    model_modules = dict(model_child.named_modules(remove_duplicate=False))
+    moved: dict[str, str] = {}
+    own: list[str] = []
+    for path, sub in child.named_modules(remove_duplicate=False):
+        if not path or any(path.startswith(f"{p}.") for p in own):
+            continue
+        if type(sub) is not nn.Module and model_modules.get(path) is not sub:
+            own.append(path)
+            moved[f"{name}.{path}"] = _plain_attr(gm, f"{name}.{path}", sub)
+    held = dict(itertools.chain(model_child.named_parameters(remove_duplicate=False),
+                                model_child.named_buffers(remove_duplicate=False)))
+    for path, tensor in itertools.chain(child.named_parameters(remove_duplicate=False),
+                                        child.named_buffers(remove_duplicate=False)):
+        if held.get(path) is tensor or any(path.startswith(f"{p}.") for p in own):
+            continue
+        moved[f"{name}.{path}"] = _root_buffer(gm, f"{name}.{path}", tensor)
+    return moved
+
+
+def _plain_attr(gm: fx.GraphModule, path: str, module: nn.Module) -> str:
+    base = path.replace(".", "_")
+    new, i = base, 1
+    while hasattr(gm, new) or new in gm.__dict__:
+        new, i = f"{base}_{i}", i + 1
+    gm.__dict__[new] = module
+    return new
+
+
+def _root_buffer(gm: fx.GraphModule, path: str, tensor: torch.Tensor) -> str:
+    """The name of a root buffer of ``gm`` holding ``tensor`` (an equal constant another
+    graph of the module registered is shared: the graphs share the root's dicts)."""
+    base = path.replace(".", "_")
+    new, i = base, 1
+    while True:
+        held = gm._buffers.get(new)
+        if held is tensor or (held is not None and not isinstance(held, nn.Parameter)
+                              and held.dtype == tensor.dtype and held.device == tensor.device
+                              and held.shape == tensor.shape and torch.equal(held, tensor)):
+            return new
+        if held is None and not hasattr(gm, new) and new not in gm.__dict__:
+            gm.register_buffer(new, tensor, persistent=False)
+            return new
+        new, i = f"{base}_{i}", i + 1
+
+
+def _retarget(gm: fx.GraphModule, moved: dict[str, str]) -> None:
+    """Point the nodes and the weight table of ``gm`` that read a moved path at its new name;
+    the caller's :func:`~amprewrite.module.calling.finish` regenerates the code."""
+    def new(target: str) -> str:
+        for old, name in moved.items():
+            if target == old or target.startswith(f"{old}."):
+                return name + target[len(old):]
+        return target
+
+    def entry(item: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (new(item[0]), *item[1:])
+
+    for node in gm.graph.nodes:
+        if node.op in ("get_attr", "call_module"):
+            node.target = new(str(node.target))
+        elif is_fetch(node):
+            node.args = (node.args[0], *(entry(item) for item in node.args[1:]))
+    table = gm.__dict__.get(WEIGHTS_ATTR)
+    if isinstance(table, WeightTable):
+        table.entries = tuple(entry(item) for item in table.entries)
+        table.rebind(gm)
 
 
 def register_view(gm: fx.GraphModule, model: nn.Module) -> None:
@@ -92,8 +191,11 @@ def register_view(gm: fx.GraphModule, model: nn.Module) -> None:
         _hooks_installed[0] = True
     _VIEWS.setdefault(model, weakref.WeakSet()).add(gm)
     _MODEL_OF[gm] = weakref.ref(model)
+    # NB: a root buffer the model does not hold is a constant of a capture, never saved
+    # (a deep copy's root registers every buffer it copies as persistent)
+    constants = {name for name in gm._buffers if name not in model._buffers}
     gm.__dict__["_non_persistent_buffers_set"] = _RootNames(
-        gm._non_persistent_buffers_set, model._non_persistent_buffers_set)
+        set(gm._non_persistent_buffers_set) | constants, model._non_persistent_buffers_set)
 
 
 class _RootNames(set):

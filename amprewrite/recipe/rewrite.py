@@ -272,7 +272,8 @@ def _join_states(main: fx.GraphModule, same: fx.GraphModule) -> None:
 def _regime(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
             options: ConvertOptions) -> Regime | None:
     """The ``torch.autocast`` to trace the model under, so that the dtypes its Python code
-    reads off tensors are the ones the converted graph computes (see :mod:`amprewrite.capture.export`)."""
+    reads off tensors are the ones the converted graph computes
+    (:mod:`amprewrite.capture.export`)."""
     policy, low, opt_level = options.policy, options.low, options.opt_level
     if opt_level == "O0":
         return None

@@ -216,7 +216,8 @@ def test_the_models_attributes_and_methods_are_the_converted_modules() -> None:
             out = gm.helper(ids)
         assert out.dtype == torch.float32 and torch.equal(out, _eager(model, input_ids=ids))
         copied = copy.deepcopy(gm)
-        assert copied.loss_type == "ForCausalLM" and copied.helper.__func__ is Tokens.helper
+        assert copied.loss_type == "ForCausalLM"
+        assert copied.helper.__func__.__wrapped__ is Tokens.helper  # wrapped: .methods
         with pytest.raises(AttributeError, match="no_such_attribute"):
             gm.no_such_attribute
     assert not hasattr(nn.Linear(2, 2), "helper")  # other modules' classes are left alone

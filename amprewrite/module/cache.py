@@ -170,6 +170,9 @@ class GraphCache:
         """Input dimensions the model could not take symbolic: one group per size."""
         self._groups = 0
         self.autocast_warned = False
+        self.methods: Any = None
+        """The entries of the model's other methods and of the submodules its code hands
+        out (:class:`~.methods.MethodEntries`), made at their first call."""
         """Whether the module warned that it was called under ``torch.autocast`` (once)."""
 
     def attach(self, gm: fx.GraphModule) -> None:
@@ -545,6 +548,8 @@ class GraphCache:
             mark = ", held" if entry is self.held else ""
             lines.append(f"{modes} mode{'s' if len(entry.modes) == 2 else ''}, group "
                          f"{entry.group}{mark}: {entry.why}")
+        if self.methods is not None:
+            lines.extend(self.methods.describe())
         return lines
 
     # -- copies --------------------------------------------------------------------------------

@@ -63,6 +63,11 @@ class CaptureLock:
                 del self._readers[me]
                 self._cond.notify_all()
 
+    def written_here(self) -> bool:
+        """Whether this thread holds the lock for a capture now (what runs then is traced,
+        not computed: :mod:`.methods` does not count it as the model running eagerly)."""
+        return self._writer == threading.get_ident()
+
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
         me = threading.get_ident()

@@ -34,6 +34,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .cache import CACHE_KEY, cache_of
+from .methods import wrap_method, wrappable
 
 __all__ = ["adopt_model", "model_of"]
 
@@ -56,7 +57,8 @@ def adopt_model(gm: fx.GraphModule, model: nn.Module, signature: bool = True) ->
             continue
         for name, value in vars(klass).items():
             if name not in _OWN and not (name.startswith("__") and name.endswith("__")):
-                setattr(cls, name, value)
+                setattr(cls, name, wrap_method(name, value) if wrappable(name, value)
+                        else value)  # computes in mixed precision (.methods)
     for name in model.__dict__:
         if name in _BOOKKEEPING or name in _OWN or name in gm.__dict__ or \
                 name.startswith(("__", "_amp")):

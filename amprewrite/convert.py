@@ -100,7 +100,8 @@ def convert(
                                 MODEL_KEY: type(model).__name__}
         if level != "O1":
             meta[OPT_LEVEL_KEY] = OptLevel(level, None if level == "O0" else low)
-        gm = finish(placeholder_module(model, meta, o2=level == "O2"))
+        gm = finish(placeholder_module(model, meta, o2=level == "O2",
+                                       shares=recipe.view))
         if recipe.view:
             adopt_children(gm, model)
             register_view(gm, model)

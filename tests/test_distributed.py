@@ -156,6 +156,10 @@ def _fsdp2_run(rank: int, level: str) -> dict[str, Any]:
             out["gathered"].append((type(w).__name__, w._version, w.detach().clone()))
 
     gm.register_forward_pre_hook(seen)
+    out["copy_bytes_in_forward"] = []
+    if level == "O2":  # registered before the binding's hook, which drops the copies
+        gm.register_forward_hook(lambda module, args, output: out["copy_bytes_in_forward"]
+                                 .append(gm._amp_low_copies.nbytes()))
     # FSDP2 refills the gathered parameters in place without bumping their version counters:
     # low-precision copies kept across forwards must be remade after each all-gather. O2: the
     # binding sees the sharded module and registers that refresh itself; O1 keeps copies for
@@ -475,23 +479,28 @@ def test_fsdp2_refills_gathered_parameters_without_a_version_bump(ranks):
 
 
 @needs_gloo
-def test_fsdp2_o2_keeps_full_low_precision_copies(ranks):
+def test_fsdp2_o2_holds_low_precision_copies_during_the_forward_only(ranks):
     _needs_fsdp2()
-    # O2's stored bf16 copies are made from the all-gathered (unsharded) parameters: every
-    # rank holds a full bf16 copy of fc1 and fc2 (the LayerNorm stays fp32)
+    # O2's bf16 copies are made from the all-gathered (unsharded) parameters: during each
+    # forward every rank holds a full bf16 copy of fc1 and fc2 (the LayerNorm stays fp32);
+    # after it, as FSDP2 frees the gathered parameters, the binding drops them (what a
+    # backward saved lives on until that backward): none are held between steps
     full = (32 * 8 + 32 + 4 * 32 + 4) * 2
     for run in _result(ranks, "fsdp2_O2"):
-        assert run["low_copy_bytes"] == full
+        assert run["copy_bytes_in_forward"] == [full] * (2 * STEPS + 1)
+        assert run["low_copy_bytes"] == 0
 
 
 @needs_gloo
 def test_fsdp2_param_dtype_policy_on_a_converted_module_fails(ranks):
     _needs_fsdp2()
-    # MixedPrecisionPolicy(param_dtype=bf16) hands the graph bf16 parameters where it was
-    # converted for fp32 ones: the LayerNorm, kept in fp32, rejects its bf16 weight
+    # MixedPrecisionPolicy(param_dtype=bf16) casts the inputs (and parameters) to bf16 in its
+    # pre-forward hook, where the graph was converted for fp32 ones: the converted module's
+    # input check, which runs after the hooks, names the input
     for run in _result(ranks, "fsdp2_param_dtype"):
-        assert run["error_type"] == "RuntimeError"
-        assert "mixed dtype (CPU): expect parameter to have scalar type of Float" in run["error"]
+        assert run["error_type"] == "AmpRewriteError"
+        assert "x: captured for float32 of shape (any, 8), called with bfloat16 of shape " \
+            "(8, 8)" in run["error"]
 
 
 # -- torch.export and torch.compile ----------------------------------------------------------

@@ -55,7 +55,7 @@ from ..graph.codegen import recompile_with_bindings
 from ..graph.inputs import input_mismatch
 from ..runtime.weight_cache import CACHE_ATTR, WeightCastCache
 from ..capture.guards import GUARDS_ATTR, InputGuards
-from .isolation import CAPTURE_LOCK
+from .isolation import CAPTURE_LOCK, outside_saved_tensors_hooks
 from .model_view import adopt_model
 from .tree import adopt_children, register_view, trees, view_model
 from .cache import CACHE_KEY, SERVES_ATTR, RefitFailed
@@ -100,17 +100,34 @@ def _recompile_converted(self: fx.GraphModule) -> Any:
 def _held_graph_forward(generated: Any) -> Any:
     """The class's ``forward``: the generated forward of the graph the module holds now (a
     mode switch or a new state exchanges graphs, not classes), one function per class, with
-    the generated signature until :func:`~.model_view.adopt_model` gives it the model's."""
+    the generated signature until :func:`~.model_view.adopt_model` gives it the model's.
+
+    Eagerly, it is also where the cache's guards run and where a capture happens (a new
+    state, mode or input sizes, the first call): after the module's forward pre-hooks and
+    before its forward hooks, as the model's own forward runs. So each hook runs once per
+    call, a call that captures included, and a capture sees the inputs and parameters the
+    forward sees: a pre-hook's rewritten inputs, and FSDP2's all-gathered parameters of a
+    block sharded with ``fully_shard`` (its pre-forward hook gathers them, and its
+    post-forward hook frees them again after the capture)."""
     @functools.wraps(generated)
     def forward(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # NB: Dynamo folds it and sees nothing below
+            return self.__dict__[FORWARD_ATTR](self, *args, **kwargs)
+        cache = self.__dict__.get(CACHE_KEY)
         # NB: checked here, not in __call__: accelerate's mixed_precision enters autocast in a
-        # wrapper of the instance's forward, between the two. Not while compiling: Dynamo
-        # folds is_compiling() and sees nothing else, and torch.export (compiling too) traces
-        # a model that holds this module under its policy's autocast (an autocast preset).
-        if not torch.compiler.is_compiling() and _any_autocast_enabled() \
-                and not getattr(self.__dict__.get(CACHE_KEY), "autocast_warned", True):
+        # wrapper of the instance's forward, between the two. Not while compiling:
+        # torch.export (compiling too) traces a model that holds this module under its
+        # policy's autocast (an autocast preset).
+        if _any_autocast_enabled() and not getattr(cache, "autocast_warned", True):
             _warn_if_under_autocast(self, args, kwargs)
-        return self.__dict__[FORWARD_ATTR](self, *args, **kwargs)
+        if cache is None:  # a copy loaded from a pickle: its one graph
+            return self.__dict__[FORWARD_ATTR](self, *args, **kwargs)
+        if not cache.holds(self):
+            # NB: another thread may have followed meanwhile
+            with CAPTURE_LOCK.writing(), outside_saved_tensors_hooks():
+                if not cache.holds(self):
+                    cache.follow(self, args, kwargs)
+        return _run(self, cache, args, kwargs)
 
     return forward
 
@@ -242,26 +259,24 @@ def _train_in_saved_mode(self: fx.GraphModule, mode: bool = True) -> fx.GraphMod
 
 def _converted_call(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
     # NB: is_compiling first: Dynamo folds it to True and never sees the guard; what it traces
-    # is the mode's graph (None: it holds this mode's graph; an int index: Dynamo on torch
-    # 2.11 cannot index a tuple with a bool).
-    compiling = torch.compiler.is_compiling()
-    guard = None if compiling else self.__dict__.get(CACHE_KEY)
-    if guard is None and NOT_CAPTURED_YET_KEY in self.meta:
-        _first_capture_outside(self, args, kwargs)  # compiled before any eager call
-    elif guard is None:
-        if not self.__dict__[SERVES_ATTR][1 if self.training else 0]:
+    # is the mode's graph (an int index: Dynamo on torch 2.11 cannot index a tuple with a
+    # bool). Eagerly the guards run in the forward, after the pre-hooks (_held_graph_forward).
+    if torch.compiler.is_compiling():
+        if NOT_CAPTURED_YET_KEY in self.meta:
+            _first_capture_outside(self, args, kwargs)  # compiled before any eager call
+        elif not self.__dict__[SERVES_ATTR][1 if self.training else 0]:
             self.__dict__[CACHE_KEY].switch(self, self.training)
-    elif not guard.holds(self):
-        with CAPTURE_LOCK.writing():  # NB: another thread may have followed meanwhile
-            if not guard.holds(self):
-                guard.follow(self, args, kwargs)
-    if compiling:
-        return _run(self, None, args, kwargs)
+        return nn.Module.__call__(self, *args, **kwargs)
     # A capture by another thread waits for this call's graph to finish, and this call for
     # that capture (which swaps graphs and lends the model's tensors to torch.export).
     CAPTURE_LOCK.acquire_read()
     try:
-        return _run(self, guard, args, kwargs)
+        return nn.Module.__call__(self, *args, **kwargs)
+    except Exception as exc:
+        context = failure_context(exc)
+        if context is not None:
+            print(context, file=sys.stderr)
+        raise
     finally:
         CAPTURE_LOCK.release_read()
 
@@ -311,27 +326,28 @@ def _stacklevel_past_call() -> int | None:
 
 
 def _run(self: fx.GraphModule, guard: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The held graph's forward on the call's inputs; where its input check rejects them, the
+    model captured again for them (:meth:`~.cache.GraphCache.refit`) and run, or an error
+    that names the input that does not fit."""
     try:
-        return nn.Module.__call__(self, *args, **kwargs)
+        return self.__dict__[FORWARD_ATTR](self, *args, **kwargs)
     except Exception as exc:
         mismatch = input_mismatch(self, type(self).__name__, args, kwargs)
         try:
-            if mismatch is not None and guard is not None and _refit(self, guard, args, kwargs):
-                return nn.Module.__call__(self, *args, **kwargs)  # captured for these inputs
+            if mismatch is not None and _refit(self, guard, args, kwargs):
+                # captured for these inputs: its forward, not __call__ (the hooks ran)
+                return self.__dict__[FORWARD_ATTR](self, *args, **kwargs)
         except RefitFailed as failed:
             mismatch = f"{mismatch}\nCapturing the model again for these inputs failed: {failed}"
         if mismatch is not None:
             raise AmpRewriteError(mismatch) from exc
-        context = failure_context(exc)
-        if context is not None:
-            print(context, file=sys.stderr)
         raise
 
 
 def _refit(self: fx.GraphModule, guard: Any, args: tuple, kwargs: dict[str, Any]) -> bool:
     """The cache's :meth:`~.cache.GraphCache.refit`, as a capture: alone, after the calls
     of other threads (this thread's read is the only one it waits past)."""
-    with CAPTURE_LOCK.writing():
+    with CAPTURE_LOCK.writing(), outside_saved_tensors_hooks():
         return guard.refit(self, args, kwargs)
 
 
@@ -339,7 +355,7 @@ def _refit(self: fx.GraphModule, guard: Any, args: tuple, kwargs: dict[str, Any]
 def _first_capture_outside(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -> None:
     """The first capture of a module captured at its first call, when that call is compiled:
     run eagerly (a graph break, once), then the compiler traces the captured graph."""
-    with CAPTURE_LOCK.writing():
+    with CAPTURE_LOCK.writing(), outside_saved_tensors_hooks():
         gm.__dict__[CACHE_KEY].follow(gm, args, kwargs)
 
 

@@ -37,11 +37,12 @@ def not_captured_yet(message: str) -> None:
     raise AmpRewriteError(message)
 
 
-def placeholder_module(model: nn.Module, meta: dict, o2: bool) -> fx.GraphModule:
+def placeholder_module(model: nn.Module, meta: dict, o2: bool, shares: bool) -> fx.GraphModule:
     """The converted module before its first call (module docstring). ``meta``: what
     ``convert`` records on every converted module (policy, opt level); ``o2``: give it the
     store of low-precision copies now, so that ``MasterWeights`` can bind it before the first
-    call (the captured graph then uses this store)."""
+    call (the captured graph then uses this store); ``shares``: its root parameters are the
+    model's own dict (not for O3, whose capture holds low-precision copies of its own)."""
     name = type(model).__name__
     message = (f"this converted {name} is captured at its first call, from that call's "
                "inputs, and has not been called yet: call it once (gm(*inputs)), or convert "
@@ -52,7 +53,12 @@ def placeholder_module(model: nn.Module, meta: dict, o2: bool) -> fx.GraphModule
     graph.output(graph.call_function(not_captured_yet, (message,)))
     gm = fx.GraphModule(nn.Module(), graph, class_name=name)
     gm._modules.update(model._modules)  # the model's own: parameters(), state_dict()
-    gm._parameters.update(model._parameters)
+    if shares:  # the model's own dict, as a capture's root shares it
+        # (.model_watch.share_root_parameters): FSDP2's fully_shard(gm) before the first call
+        # swaps the parameters the capture reads through the model
+        gm.__dict__["_parameters"] = model._parameters
+    else:
+        gm._parameters.update(model._parameters)
     gm._buffers.update(model._buffers)
     gm._non_persistent_buffers_set.update(model._non_persistent_buffers_set)
     gm.meta.update(meta)

@@ -119,7 +119,28 @@ def outside_modes() -> Iterator[None]:
         _push(kept)
         stack.callback(_pop, len(kept))
         stack.enter_context(_disable_current_modes())
+        stack.enter_context(outside_saved_tensors_hooks())
         yield
+
+
+@contextlib.contextmanager
+def outside_saved_tensors_hooks() -> Iterator[None]:
+    """Run the block with none of the caller's ``saved_tensors_hooks``: a block captured at
+    its first call inside ``torch.utils.checkpoint`` (``checkpoint_wrapper``) would otherwise
+    count what the capture computes (its tracing, the proofs of its code's bindings) as
+    tensors of the forward, and the recomputation, which does not capture, fails
+    checkpoint's check ("a different number of tensors was saved"). NB: torch has no public
+    way to set them aside; these are its own push and pop."""
+    autograd = torch._C._autograd
+    held = []
+    while (top := autograd._top_saved_tensors_default_hooks(True)) is not None:
+        held.append(top)
+        autograd._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(held):
+            autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
 def _push(modes: list) -> None:

@@ -39,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..errors import user_stacklevel
 
-__all__ = ["ModelWatch", "watch_model", "share_tensor_dicts", "changes",
+__all__ = ["ModelWatch", "watch_model", "share_tensor_dicts", "share_root_parameters", "changes",
            "report_global_hooks", "own_global_hooks"]
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -199,9 +199,12 @@ def share_tensor_dicts(gm: nn.Module, model: nn.Module) -> int:
     Why: a tensor the model's code (or a library: accelerate's device-map loading writes
     ``module._parameters[name] = t``) puts in one of those dicts is then the converted
     module's at once, at no cost per call; ``setattr``, ``load_state_dict(assign=True)`` and
-    ``module.to()`` all end there. The root is left alone: the converted module's root holds
-    constants of the capture beside the model's own tensors."""
-    shared = 0
+    ``module.to()`` all end there. At the root, only ``_parameters`` is shared (its buffers
+    hold constants of the capture beside the model's own tensors): FSDP2's ``fully_shard(gm)``
+    swaps the root's parameters by writing that dict, and a capture at a later call (the
+    first call, a new state) reads them through the model, so both must see the same
+    (sharded, then all-gathered) parameters, not the model's unsharded originals."""
+    shared = share_root_parameters(gm, model)
     for name, module in gm.named_modules():
         if not name or isinstance(module, torch.fx.GraphModule):
             continue
@@ -216,6 +219,18 @@ def share_tensor_dicts(gm: nn.Module, model: nn.Module) -> int:
             module.__dict__[kind] = theirs.__dict__[kind]
         shared += 1
     return shared  # NB: the caller points the weight tables at the new dicts (relink_graph)
+
+
+def share_root_parameters(gm: nn.Module, model: nn.Module) -> int:
+    """Make ``gm``'s root ``_parameters`` the model's dict where it holds a subset of the
+    model's root parameters (the same tensors under the same names); 1 if it does now."""
+    ours, theirs = gm.__dict__["_parameters"], model.__dict__["_parameters"]
+    if ours is theirs:
+        return 1
+    if gm is model or not _subset(ours, theirs):
+        return 0
+    gm.__dict__["_parameters"] = theirs
+    return 1
 
 
 def _subset(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:

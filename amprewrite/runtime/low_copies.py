@@ -341,6 +341,15 @@ class LowPrecisionCopies:
                 stale.append((key, entry, master))
         self._update(stale)
 
+    def release(self) -> None:
+        """Drop every copy (the next forward makes them anew, from its masters): for a module
+        whose masters exist in full only during its own forward and backward (FSDP2 gathers
+        them before and frees them after), so that its copies are not held between steps
+        either. A copy a graph saved for backward lives on until that backward."""
+        if self._entries:
+            self._entries.clear()
+            self._changed()
+
     def _changed(self) -> None:
         """Entries were made, remade or dropped: the lists kept from them go."""
         self._handed.clear()

@@ -48,7 +48,10 @@ class MasterWeights:
     (``p.data.mul_``) moves no counter and needs :meth:`refresh` (or
     ``amprewrite.clear_weight_cache(gm)``). A module sharded with FSDP2 (``fully_shard``,
     before binding) refills its parameters in place before every forward without moving a
-    counter: the binding then refreshes the copies before each forward itself.
+    counter: the binding then refreshes the copies before each forward itself, and drops
+    them after it, as FSDP2 frees the gathered parameters (so the copies of one block exist
+    while its forward and backward need them, not between steps; those a checkpointed
+    block's recomputation makes in the backward are dropped at the optimizer step).
 
     Works with any ``torch.optim`` optimizer (fused ones included), with several optimizers
     (pass a list), with ``GradScaler`` (``unscale_`` and clipping see fp32 master gradients)
@@ -91,16 +94,26 @@ class MasterWeights:
         self._store = store
         self._handles = [opt.register_step_post_hook(self._after_step)
                          for opt in self._optimizers]
-        if _is_fsdp2(gm):
+        self._sharded = _is_fsdp2(gm)
+        if self._sharded:
             # NB: after FSDP2's own pre-forward hook (registered first, prepended), so the
             # copies are made from the all-gathered parameters; returns None: the inputs
-            # stay as they are.
+            # stay as they are. And dropped after the forward: FSDP2 frees the gathered
+            # parameters then, and full-size copies kept until the next forward would undo
+            # what sharding saves (a block's copies live as long as its backward needs them).
             self._handles.append(gm.register_forward_pre_hook(lambda module, args: store.refresh()))
+            self._handles.append(gm.register_forward_hook(
+                lambda module, args, output: store.release()))
         store.bindings += 1
         self._closed = False
 
     def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        self._store.mark_stepped()
+        if self._sharded:
+            # NB: also those a recomputation made in the backward (activation checkpointing
+            # stops its recomputing forward early, by an exception, before forward hooks run)
+            self._store.release()
+        else:
+            self._store.mark_stepped()
 
     def refresh(self) -> None:
         """Recompute every low-precision copy from its fp32 master now."""
@@ -121,9 +134,13 @@ class MasterWeights:
 
 
 def _is_fsdp2(module: nn.Module) -> bool:
-    """Whether ``module`` was sharded by FSDP2's ``fully_shard``."""
+    """Whether ``module``'s parameters are sharded by FSDP2's ``fully_shard``: of the module
+    itself, or of a wrapper around it (``fully_shard(checkpoint_wrapper(gm))``), whose
+    parameters are then DTensors between forwards."""
     try:
         from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
     except ImportError:  # a torch built without distributed support
         return False
-    return isinstance(module, FSDPModule)
+    return isinstance(module, FSDPModule) or any(
+        isinstance(p, DTensor) for p in module.parameters())

@@ -75,13 +75,16 @@ def convert_blocks(model: nn.Module, level: str) -> list[nn.Module]:
 
 def shard(model: nn.Module, policy: str, checkpointing: bool) -> None:
     """``fully_shard`` per block (``policy="blocks"``), or per block, embedding and head
-    (``"blocks+ends"``), then the root; ``checkpointing``: each block in torch's
+    (``"blocks+ends"``), then the root; or the root only (``"root"``); ``checkpointing``: each block in torch's
     ``checkpoint_wrapper`` first (activation checkpointing per block, as torchtitan does)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    if policy == "root":
+        fully_shard(model, mesh=mesh)
+        return
     blocks = blocks_of(model)
     if checkpointing:
         for i, block in enumerate(blocks):
@@ -153,7 +156,13 @@ def train(rank: int, family: str, policy: str, level: str | None, *, checkpointi
     model = tiny_lm(family, layers, hidden)
     total = param_bytes(model)
     block = param_bytes(blocks_of(model)[0])
-    converted = convert_blocks(model, level) if level is not None else []
+    converted: list[nn.Module] = []
+    if level is not None and policy == "root":  # the whole model as one converted graph
+        model = amprewrite.convert(model, capture="export", opt_level=level, dtype=LOW,
+                                   policy=PRESET if level == "O1" else None)
+        converted = [model]
+    elif level is not None:
+        converted = convert_blocks(model, level)
     shard(model, policy, checkpointing)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     # O2: one binding per converted module, after fully_shard (it then refreshes the copies

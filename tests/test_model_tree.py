@@ -335,3 +335,68 @@ def test_every_path_of_an_hf_llama_is_the_models() -> None:
         expected = model(ids).logits
     assert torch.equal(gm(ids).logits, expected)
 
+
+# ---------------------------------------------------------------------------------------------
+# a hook of the converted module runs once per call, a call that captures included
+class _Gained(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.gain = 2.0  # read by the capture: a new value is a new state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x) * self.gain
+        return torch.relu(y) if self.training else y  # mode-dependent code
+
+
+def _count_hooks(gm: nn.Module) -> dict[str, int]:
+    counts = dict.fromkeys(["pre", "pre_kwargs", "forward", "forward_kwargs", "backward_pre",
+                            "backward"], 0)
+
+    def counter(name: str) -> object:
+        def hook(*_: object) -> None:
+            counts[name] += 1
+        return hook
+
+    gm.register_forward_pre_hook(counter("pre"))
+    gm.register_forward_pre_hook(counter("pre_kwargs"), with_kwargs=True)
+    gm.register_forward_hook(counter("forward"))
+    gm.register_forward_hook(counter("forward_kwargs"), with_kwargs=True)
+    gm.register_full_backward_pre_hook(counter("backward_pre"))
+    gm.register_full_backward_hook(counter("backward"))
+    return counts
+
+
+@pytest.mark.parametrize("route", ["export", "symbolic", "first_call"])
+def test_each_hook_runs_once_per_call_that_captures(route: str) -> None:
+    """Calls that capture (the first call of ``capture="export"``, a new state, the model
+    switched to eval by hand, a new batch size) run each forward, forward-pre and backward
+    hook of the converted module once, as calls that do not."""
+    model = _Gained().train()
+    if route == "export":  # keyword inputs: captured with the example's sizes
+        gm = amprewrite.convert(model, (), example_kwargs={"x": X}, policy=PRESET)
+    elif route == "symbolic":
+        gm = amprewrite.convert(model, policy=PRESET, capture="symbolic")
+    else:
+        gm = amprewrite.convert(model, capture="export", policy=PRESET)
+    counts = _count_hooks(gm)
+    cache = amprewrite.module.cache.cache_of(gm)
+
+    def change(step: str) -> torch.Tensor:
+        if step == "state":
+            model.gain = 3.0
+        elif step == "mode":
+            model.eval()
+        return torch.randn(6 if step == "size" else 4, 8, requires_grad=True)
+
+    for calls, step in enumerate(["first", "again", "state", "mode", "size"], start=1):
+        x = change(step)
+        before = cache.describe()  # the entries and why each was captured
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RecaptureWarning)
+            gm(x=x).sum().backward()
+        captured = cache.describe() != before
+        expected = {"first": route == "first_call", "again": False, "state": True,
+                    "mode": True, "size": route != "symbolic"}[step]
+        assert captured == expected, (step, cache.describe())
+        assert counts == dict.fromkeys(counts, calls), step

@@ -224,3 +224,63 @@ def test_variable_lengths_keyword_calls_match_accelerates_bf16_bitwise(route: st
                 run.append(loss.detach())
         losses.append(torch.stack(run))
     assert torch.equal(losses[0], losses[1])
+
+
+def test_a_converted_hf_model_saves_and_unwraps_as_the_model(tmp_path: pathlib.Path) -> None:
+    """A converted GPT-2 through a real Accelerator: ``unwrap_model`` gives the converted
+    module, which is a ``GPT2LMHeadModel`` sharing the model's submodules, and its
+    ``save_pretrained`` writes the directory ``from_pretrained`` loads; ``save_state`` /
+    ``load_state`` move the trained weights into a converted model initialised otherwise.
+    The losses are ``mixed_precision="bf16"``'s on the eager model."""
+    transformers = pytest.importorskip("transformers")
+
+    def gpt2(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=16, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+
+    batches = [torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(i))
+               for i in range(3)]
+
+    def run(model: torch.nn.Module, converted: bool, steps: int) -> tuple:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        module = model
+        if converted:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                module = amprewrite.convert(model, (), policy=PRESET, example_kwargs={
+                    "input_ids": batches[0], "labels": batches[0]})
+        accelerator = accelerate.Accelerator(cpu=True,
+                                             mixed_precision="no" if converted else "bf16")
+        module, opt = accelerator.prepare(module, torch.optim.AdamW(model.parameters(),
+                                                                    lr=1e-2))
+        losses = []
+        for ids in batches[:steps]:
+            loss = module(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return accelerator, module, losses
+
+    model = gpt2(0)
+    accelerator, gm, losses = run(model, converted=True, steps=3)
+    _, _, eager_losses = run(gpt2(0), converted=False, steps=3)
+    assert torch.equal(torch.stack(losses), torch.stack(eager_losses))
+    unwrapped = accelerator.unwrap_model(gm)
+    assert unwrapped is gm and isinstance(unwrapped, transformers.GPT2LMHeadModel)
+    assert unwrapped._modules is model._modules and unwrapped.config is model.config
+    unwrapped.save_pretrained(tmp_path / "saved")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert type(loaded) is transformers.GPT2LMHeadModel
+    for name, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+
+    accelerator.save_state(tmp_path / "state")
+    other = gpt2(1)
+    accelerator, _, _ = run(other, converted=True, steps=0)
+    accelerator.load_state(tmp_path / "state")
+    for name, value in model.state_dict().items():
+        assert torch.equal(other.state_dict()[name], value), name

@@ -223,6 +223,43 @@ def test_the_models_attributes_and_methods_are_the_converted_modules() -> None:
     assert not hasattr(nn.Linear(2, 2), "helper")  # other modules' classes are left alone
 
 
+class _Overriding(Tokens):
+    """A model class that overrides ``nn.Module.train`` and ``to``, as ``PreTrainedModel``
+    does; each records the module it ran on."""
+
+    ran_on: list[nn.Module] = []
+
+    def train(self, mode: bool = True) -> nn.Module:
+        _Overriding.ran_on.append(self)
+        return super().train(mode)
+
+    def to(self, *args: object, **kwargs: object) -> nn.Module:
+        _Overriding.ran_on.append(self)
+        return super().to(*args, **kwargs)
+
+
+def test_the_models_class_is_a_base_and_graph_modules_come_first() -> None:
+    """``isinstance(gm, type(model))`` (what ``Trainer`` asks before ``save_pretrained``),
+    also for a deep copy; where the model's class overrides ``nn.Module``, the converted
+    module keeps the GraphModule's (its ``train`` switches graphs). A class of torch's own is
+    not a base: torch takes its layers by class, and a converted module is not the layer."""
+    model = _Overriding()
+    gm = amprewrite.convert(model, (), example_kwargs=_batch(7), policy=PRESET)
+    assert isinstance(gm, _Overriding) and isinstance(gm, Tokens)
+    mro = type(gm).__mro__
+    assert mro.index(torch.fx.GraphModule) < mro.index(_Overriding) < mro.index(nn.Module)
+    gm.eval()
+    gm.to(torch.float32)
+    assert not any(m is gm for m in _Overriding.ran_on)
+    assert not gm.training and not model.training
+    with torch.no_grad():
+        assert torch.equal(gm(**_batch(7)), _eager(model, **_batch(7)))
+    copied = copy.deepcopy(gm)
+    assert isinstance(copied, _Overriding) and not isinstance(_Overriding(), type(gm))
+    seq = nn.Sequential(nn.Linear(4, 4))
+    assert not isinstance(amprewrite.convert(seq, (torch.randn(2, 4),)), nn.Sequential)
+
+
 def test_an_attribute_the_model_gets_after_conversion_is_the_converted_modules() -> None:
     """``model.x = ...`` after ``convert`` (a library's marker, a flag a trainer sets) reads
     on the converted module, as the model's at every moment; a method set on the model

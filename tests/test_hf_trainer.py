@@ -1,11 +1,13 @@
 """A HuggingFace model with labels (the loss inside the model), trained converted: a plain
 loop and ``transformers.Trainer``, each bitwise equal to the same training under
-torch.autocast with the CPU autocast preset; the weights saved with ``save_pretrained``."""
+torch.autocast with the CPU autocast preset; the Trainer's checkpoints, its best-model reload
+and ``save_model`` give directories ``from_pretrained`` loads, as for the model."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import pathlib
 import warnings
 
@@ -197,3 +199,82 @@ def test_trainer_with_a_padding_collator_matches_autocast_bitwise(route: str,
     assert len(recaptures) <= 4, "\n".join(recaptures)
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(p, q), name
+
+
+def _checkpointed(model: torch.nn.Module, out: pathlib.Path, bf16: bool,
+                  resume: pathlib.Path | None = None, best: bool = True) -> "transformers.Trainer":
+    """4 steps at lr 5e-2, evaluated and checkpointed every 2. The best model is the one
+    with the *higher* evaluation loss (checkpoint-2): reloading it at the end then changes
+    the weights, which a reload that did nothing would not."""
+    args = transformers.TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=4, per_device_eval_batch_size=4,
+        max_steps=4, learning_rate=5e-2, report_to=[], use_cpu=True, bf16=bf16,
+        eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+        load_best_model_at_end=best, metric_for_best_model="eval_loss",
+        greater_is_better=True, logging_strategy="no", dataloader_num_workers=0, seed=0,
+        disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Batches(),
+                                   eval_dataset=_Batches())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the recapture after save_pretrained sets the config
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    return trainer
+
+
+def _weights(directory: pathlib.Path) -> dict[str, torch.Tensor]:
+    """What ``from_pretrained`` loads from ``directory`` (config.json included)."""
+    assert json.loads((directory / "config.json").read_text())["architectures"] == \
+        ["GPT2LMHeadModel"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoModelForCausalLM.from_pretrained(directory).state_dict()
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    assert sorted(a) == sorted(b)
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_trainer_checkpoints_resume_best_model_and_save_model_as_for_the_model(
+        tmp_path: pathlib.Path) -> None:
+    """The converted module as ``Trainer``'s model reads as a ``GPT2LMHeadModel``, so the
+    Trainer saves it with ``save_pretrained``: each checkpoint, ``save_model()`` and the
+    best-model reload give what ``Trainer(model, bf16=True)`` gives, bit for bit (config and
+    the model's keys; ``from_pretrained`` loads them); a run resumed from checkpoint-2 ends
+    on checkpoint-4's weights; the saved model's logits under torch.autocast are the
+    converted module's."""
+    model, twin = _model(), _model()
+    gm = _convert(model)
+    assert isinstance(gm, transformers.GPT2LMHeadModel)
+    trainer = _checkpointed(gm, tmp_path / "converted", bf16=False)
+    reference = _checkpointed(twin, tmp_path / "autocast", bf16=True)
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    assert unwrapped is gm and unwrapped._modules is model._modules
+    steps = {}
+    for step in (2, 4):
+        steps[step] = _weights(tmp_path / "converted" / f"checkpoint-{step}")
+        assert _equal(steps[step], _weights(tmp_path / "autocast" / f"checkpoint-{step}"))
+    assert not _equal(steps[2], steps[4])
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-2")
+    assert _equal(model.state_dict(), steps[2])  # reloaded: the best, not the last
+    assert _equal(model.state_dict(), twin.state_dict())
+
+    trainer.save_model(str(tmp_path / "saved"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert _equal(loaded.state_dict(), model.state_dict())
+    batch = _batch(7)
+    gm.eval()
+    loaded.eval()
+    with torch.no_grad():
+        logits = gm(**batch).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = loaded(**batch).logits
+    assert logits.dtype == expected.dtype == torch.bfloat16
+    assert torch.equal(logits, expected)
+
+    torch.manual_seed(1)  # another initialisation: the checkpoint must replace it
+    other = transformers.GPT2LMHeadModel(_model().config).train()
+    resumed = _convert(other)
+    _checkpointed(resumed, tmp_path / "resumed", bf16=False, best=False,
+                  resume=tmp_path / "converted" / "checkpoint-2")
+    assert _equal(other.state_dict(), steps[4])

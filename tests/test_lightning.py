@@ -55,10 +55,11 @@ def _data(n: int = 64) -> torch.utils.data.DataLoader:
 def _fit(module: L.LightningModule, steps: int, ckpt: pathlib.Path | None = None,
          save: pathlib.Path | None = None, **trainer: Any) -> L.Trainer:
     L.seed_everything(0, verbose=False)
-    options = {"limit_val_batches": 2, "val_check_interval": 2, **trainer}
+    options = {"limit_val_batches": 2, "val_check_interval": 2, "enable_checkpointing": False,
+               **trainer}
     run = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, num_sanity_val_steps=0,
-                    logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                    enable_model_summary=False, **options)
+                    logger=False, enable_progress_bar=False, enable_model_summary=False,
+                    **options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         run.fit(module, _data(), _data(), ckpt_path=ckpt)
@@ -128,6 +129,56 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path: pathlib.Path) -> No
     plain = torch.load(tmp_path / "half.ckpt", weights_only=False)["state_dict"]
     Classifier().load_state_dict(plain)  # the checkpoint loads into the plain module
 
+
+class ConvertedNet(Classifier):
+    """A LightningModule holding a module converted by hand (no plugin: Lightning's fp32
+    precision, the casts in the graph), initialised from ``seed``."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(dropout=0.0)
+        torch.manual_seed(seed)
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                layer.reset_parameters()
+        self.net = amprewrite.convert(self.net, (_data().dataset[:8][0],),
+                                      policy=amprewrite.Policy.autocast("cpu", bf16))
+
+
+def test_model_checkpoint_and_a_resumed_fit_restore_a_converted_submodule(
+        tmp_path: pathlib.Path) -> None:
+    """``ModelCheckpoint`` every 2 steps, then ``Trainer.fit(ckpt_path=...)`` into a module
+    initialised otherwise: the resumed steps lose what the uninterrupted run lost, and end on
+    its weights and AdamW moments; the uninterrupted run equals ``precision="bf16-mixed"``
+    on the eager module, and the checkpoint loads into the plain one (the model's keys)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=2,
+                                  save_top_k=-1)
+    whole = ConvertedNet()
+    run = _fit(whole, 4, limit_train_batches=2, enable_checkpointing=True,
+               callbacks=[checkpoints])
+    eager = Classifier(dropout=0.0)
+    torch.manual_seed(0)
+    for layer in eager.net:
+        if isinstance(layer, nn.Linear):
+            layer.reset_parameters()
+    _fit(eager, 4, limit_train_batches=2, precision="bf16-mixed")
+    assert len(whole.losses) == 4
+    assert torch.equal(torch.stack(whole.losses), torch.stack(eager.losses))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step=2.ckpt", "step=4.ckpt"]
+
+    resumed = ConvertedNet(seed=1)
+    assert not torch.equal(next(resumed.parameters()), next(whole.parameters()))
+    again = _fit(resumed, 4, ckpt=tmp_path / "step=2.ckpt", limit_train_batches=2)
+    assert torch.equal(torch.stack(resumed.losses), torch.stack(whole.losses[2:]))
+    for (name, p), q in zip(resumed.named_parameters(), whole.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    moments, expected = (r.optimizers[0].state_dict()["state"] for r in (again, run))
+    assert sorted(moments) == sorted(expected) and moments
+    for index, state in expected.items():
+        for key, value in state.items():
+            assert torch.equal(moments[index][key], value), (index, key)
+    saved = torch.load(tmp_path / "step=2.ckpt", weights_only=False)["state_dict"]
+    Classifier().load_state_dict(saved)  # strict: the plain module's keys
 
 def test_o2_trains_with_fp32_masters_as_a_plain_loop_does() -> None:
     module = Classifier()

@@ -3,7 +3,8 @@ bitwise equal to autocast's under the CPU preset (losses, every adapter gradient
 after AdamW steps, the evaluation after training), and the adapter switches
 (``merge_adapter``, ``unmerge_adapter``, ``disable_adapter()``, a second adapter,
 ``set_adapter``, ``set_scale``, ``merge_and_unload``) followed, at O1 and O2; HF ``Trainer``
-with evaluation steps equal to ``Trainer(bf16=True)``."""
+with evaluation steps equal to ``Trainer(bf16=True)``, and its ``save_model`` an adapter
+``PeftModel.from_pretrained`` loads."""
 
 from __future__ import annotations
 
@@ -226,6 +227,7 @@ def _trainer_eval_losses(model: torch.nn.Module, out: pathlib.Path, bf16_amp: bo
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_Texts(0),
                                    eval_dataset=_Texts(100))
     trainer.train()
+    trainer.save_model(str(out / "saved"))
     return [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
 
 
@@ -242,3 +244,13 @@ def test_trainer_with_lora_and_evaluation_matches_trainer_bf16(tmp_path: pathlib
     assert len(ours) == 2 and ours == theirs
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(p, q), name
+    # ``save_model`` saves the converted PEFT model as a PeftModel: its adapter, which loads
+    # onto a fresh base model as the trained one
+    assert isinstance(gm, peft.PeftModel)
+    saved = sorted(p.name for p in (tmp_path / "ours" / "saved").iterdir())
+    assert saved == sorted(p.name for p in (tmp_path / "theirs" / "saved").iterdir())
+    assert "adapter_model.safetensors" in saved and "adapter_config.json" in saved
+    loaded = peft.PeftModel.from_pretrained(_base(), tmp_path / "ours" / "saved")
+    expected = model.state_dict()
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, expected[name]), name

@@ -23,6 +23,18 @@ attribute, or what the model's own ``__getattr__`` hands out (PEFT's model forwa
 base model), never a method bound to the model (which would run the model's fp32 forward:
 an ``AttributeError`` says so). The attributes the model had at conversion keep their
 properties, which Dynamo reads as plain attributes.
+
+The model's **class is a base** of the converted module's class (:func:`_inherit_model_class`),
+so ``isinstance(gm, type(model))`` holds: libraries that ask what a module is before they
+save it take the converted module for the model. ``Trainer`` saves a ``PreTrainedModel``
+(and a PEFT model) with ``save_pretrained``, config included, and anything else as a bare
+``model.safetensors`` that ``from_pretrained`` cannot load; with the model's class among its
+bases, ``Trainer.save_model``, its checkpoints and ``load_best_model_at_end`` run the model's
+``save_pretrained`` on the converted module (the model's config, and ``gm.state_dict()``,
+the model's keys). What a GraphModule defines still comes first: where the model's class
+overrides ``nn.Module`` (``PreTrainedModel.to``/``train``/``half``, a ``__getstate__``), the
+converted module's class pins the GraphModule's, so only the type and the methods that
+were already adopted change.
 """
 
 from __future__ import annotations
@@ -40,6 +52,8 @@ __all__ = ["adopt_model", "model_of"]
 
 _OWN = frozenset(name for klass in fx.GraphModule.__mro__ for name in vars(klass))
 """What a GraphModule (and so an nn.Module) defines: never replaced."""
+
+_GRAPH_MODULE_MRO = frozenset(fx.GraphModule.__mro__)
 
 _BOOKKEEPING = frozenset(nn.Module().__dict__) | {"training"}
 
@@ -65,6 +79,41 @@ def adopt_model(gm: fx.GraphModule, model: nn.Module, signature: bool = True) ->
             continue
         setattr(cls, name, _ModelAttribute(name))
     cls.__getattr__ = _model_getattr
+    _inherit_model_class(cls, type(model))
+
+
+_TYPE_SLOTS = frozenset({"__dict__", "__weakref__", "__module__", "__doc__", "__qualname__",
+                         "__annotations__", "__init_subclass__", "__subclasshook__"})
+"""Names of a class's own that are not behaviour: never pinned."""
+
+
+def _inherit_model_class(cls: type, model_cls: type) -> None:
+    """Append ``model_cls`` to the bases of ``cls`` (the converted module's own class), after
+    pinning on ``cls`` every attribute GraphModule's classes define that ``model_cls``
+    overrides (module docstring): the MRO then puts the model's classes before
+    ``nn.Module``, and without the pins ``PreTrainedModel.train`` would replace the one
+    the converted module's graphs are switched by.
+
+    Not for a class of torch's own (``nn.Sequential``, ``nn.Linear``): torch recognises its
+    layers by class (Dynamo inlines them as built-in modules, quantization and pruning swap
+    them), and a converted module is not the layer. Not where Python refuses the bases (a
+    model class with ``__slots__`` lays its instances out otherwise): the converted module
+    then reads as its model through its adopted methods only, as before."""
+    if model_cls in cls.__mro__ or issubclass(model_cls, fx.GraphModule) or \
+            model_cls.__module__.partition(".")[0] == "torch":
+        return
+    overridden = {name for klass in model_cls.__mro__ if klass not in _GRAPH_MODULE_MRO
+                  for name in vars(klass)}
+    pins = {}
+    for name in (overridden & _OWN) - _TYPE_SLOTS - set(vars(cls)):
+        pins[name] = next(vars(k)[name] for k in cls.__mro__ if name in vars(k))
+    bases = cls.__bases__
+    try:
+        cls.__bases__ = (*bases, model_cls)
+    except TypeError:  # NB: layout or MRO conflict (docstring)
+        return
+    for name, value in pins.items():
+        setattr(cls, name, value)
 
 
 def _model_getattr(gm: Any, name: str) -> Any:

@@ -181,19 +181,64 @@ def test_a_method_entry_takes_other_sizes_without_another_capture() -> None:
 
 
 def test_a_method_entry_follows_the_mode_and_the_models_state() -> None:
+    """What the method read of the model (``self.scale``) is guarded as the forward's reads
+    are; ``gm.train()`` switches the entry too, whose gradients are eager autocast's."""
     model, t, i = _two_towers()
     gm = amprewrite.convert(model, (t, i), policy=PRESET)
     gm.text_features(t)
     model.scale = 3.0  # the method read it: a new state
-    with pytest.warns(amprewrite.RecaptureWarning, match="state changed"):
+    with pytest.warns(amprewrite.RecaptureWarning, match=r"the model's state changed since "
+                      r"this TwoTowers.text_features was captured.*scale: 2.0 -> 3.0"):
         out = gm.text_features(t)
     assert torch.equal(out, autocast(lambda: model.text_features(t))())
     gm.train()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", amprewrite.RecaptureWarning)
-        gm.text_features(t)
+        gm.text_features(t).square().sum().backward()
+    grads = [p.grad.clone() for p in model.text.parameters()]
+    model.zero_grad()
+    autocast(lambda: model.text_features(t))().square().sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.text.parameters()))
     entry = cache_of(gm).methods.converted["text_features"]
     assert entry.training and cache_of(entry).held.modes in ((True,), (False, True))
+
+
+class FixedLength(nn.Module):
+    """A forward that needs its length as a Python number: torch.export fixes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * float(x.shape[1])
+
+
+def test_sizes_the_model_fixes_keep_the_graphs_used_last() -> None:
+    """One graph per length, at most ``MAX_STATES``: a new length drops the one used least
+    recently (an LRU cache), not the one captured first, so a length a loop keeps using
+    stays captured."""
+    from amprewrite.module.cache import MAX_STATES
+
+    torch.manual_seed(0)
+    model = FixedLength().eval()
+    gm = amprewrite.convert(model, (torch.randn(2, 2, 4),), policy=PRESET)
+
+    def call(length: int) -> int:
+        """How many captures the call made."""
+        x = torch.randn(2, length, 4)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            out = gm(x)
+        assert torch.equal(out, autocast(lambda: model(x))())
+        return sum(issubclass(w.category, amprewrite.RecaptureWarning) for w in record)
+
+    lengths = list(range(2, 2 + MAX_STATES))
+    assert [call(n) for n in lengths[1:]] == [1] * (MAX_STATES - 1)
+    assert call(2) == 0 and call(lengths[-1]) == 0  # the first length, used again
+    assert call(20) == 1  # drops the least recently used: length 3, not length 2
+    assert call(2) == 0 and call(3) == 1
+    assert len({e.group for e in cache_of(gm).entries}) == MAX_STATES
 
 
 # -- real models ---------------------------------------------------------------------------

@@ -32,7 +32,9 @@ whose guards hold, or captures a new one, all through :class:`GraphCache`:
   the first call captures (:mod:`.first_call`).
 
 The entries captured together (one state and one set of inputs, one per mode) form a *group*;
-at most :data:`MAX_STATES` groups are kept. Every capture after the first is reported through
+at most :data:`MAX_STATES` groups are kept (a new size the model cannot take symbolic drops the
+group held least recently, as an LRU cache: the sizes a loop keeps using stay captured, a
+one-off does not push them out). Every capture after the first is reported through
 one channel, :class:`~amprewrite.errors.RecaptureWarning`, and :meth:`GraphCache.describe`
 lists the entries and why each was made (``explain`` prints it). The guard that fails writes
 the message: :meth:`.snapshot.StateSnapshot.changes` for the state,
@@ -169,6 +171,9 @@ class GraphCache:
         self.fixed_dims: frozenset[tuple[str, int]] = frozenset()
         """Input dimensions the model could not take symbolic: one group per size."""
         self._groups = 0
+        self._last_held: dict[int, int] = {}
+        """Group -> when it was last let go of (a tick of :meth:`_hold`): which to drop."""
+        self._ticks = 0
         self.autocast_warned = False
         self.methods: Any = None
         """The entries of the model's other methods and of the submodules its code hands
@@ -238,6 +243,8 @@ class GraphCache:
         exchange_graphs(gm, holder)
         if self.held is not None:
             self.held.holder = holder  # it now holds what gm held
+            self._ticks += 1
+            self._last_held[self.held.group] = self._ticks
         entry.holder = None
         self.held = entry
         self._held_changed(gm)
@@ -258,11 +265,12 @@ class GraphCache:
     def _drop_group(self, group: int) -> None:
         self.entries = [e for e in self.entries if e.group != group or e is self.held]
 
-    def _drop_oldest(self) -> None:
+    def _drop_least_recent(self) -> None:
+        """Drop the group, not the held one, let go of longest ago (never held: oldest)."""
         held = self.held.group if self.held is not None else None
-        oldest = next((e.group for e in self.entries if e.group != held), None)
-        if oldest is not None:
-            self._drop_group(oldest)
+        groups = [e.group for e in self.entries if e.group != held]
+        if groups:
+            self._drop_group(min(groups, key=lambda g: (self._last_held.get(g, 0), g)))
 
     def _group_count(self) -> int:
         return len({e.group for e in self.entries})
@@ -436,10 +444,10 @@ class GraphCache:
                          if line.startswith("  ")) or "other inputs"
         changed = frozenset(dims or ())
         wanted = changed - self.fixed_dims
-        if dims and not scalars:  # never refused: a size the model fixes evicts the oldest
+        if dims and not scalars:  # never refused: a size the model fixes evicts the LRU
             self._refuse(gm, [what], state=False, bound=False)
             if self._group_count() >= MAX_STATES:
-                self._drop_oldest()
+                self._drop_least_recent()
         else:
             self._refuse(gm, [what], state=bool(scalars))
         try:
@@ -488,7 +496,7 @@ class GraphCache:
                 f"{name} cannot take a symbolic size in "
                 + ", ".join(f"{n} dimension {d}" for n, d in sorted(fixed))
                 + f" (torch.export specialised it, or failed on it); the module keeps one "
-                f"graph per size there, the last {MAX_STATES}, and captures again for "
+                f"graph per size there, the {MAX_STATES} used last, and captures again for "
                 "others. Pad those inputs to a few fixed sizes.")
 
     def _recaptured(self, name: str, what: str) -> str:

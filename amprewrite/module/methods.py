@@ -103,8 +103,11 @@ class _Watch:
 
 class _Local(threading.local):
     watch: _Watch | None = None
-    method: int = 0
-    """How many methods on converted modules run in this thread (nested: the model's code)."""
+
+    def __init__(self) -> None:
+        self.running: list[Any] = []
+        """The converted modules whose methods run in this thread, outermost first: a
+        method of one of them called meanwhile is called by the model's own code."""
 
 
 _local = _Local()
@@ -137,7 +140,7 @@ def _call(gm: Any, name: str, func: Callable[..., Any], args: tuple,
     if cache is None or cache.model is None or torch.compiler.is_compiling() or tracing():
         return func(gm, *args, **kwargs)
     entries = MethodEntries.of(cache)
-    if _local.method:  # called by the model's own code, inside another method
+    if any(running is gm for running in _local.running):  # by the model's own code
         return _nested(gm, cache, entries, name, func, args, kwargs)
     converted = entries.converted.get(name)
     if converted is not None:
@@ -149,11 +152,11 @@ def _call(gm: Any, name: str, func: Callable[..., Any], args: tuple,
 
 def _running(gm: Any, cache: GraphCache, entries: MethodEntries, name: str,
              func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
-    _local.method += 1
+    _local.running.append(gm)
     try:
         return func(gm, *args, **kwargs)
     finally:
-        _local.method -= 1
+        _local.running.pop()
 
 
 def _nested(gm: Any, cache: GraphCache, entries: MethodEntries, name: str,
@@ -188,6 +191,8 @@ class _watching:
 
     def __init__(self, watch: _Watch) -> None:
         self.watch = watch
+        self.outer: _Watch | None = None
+        """The first call of another converted module's method this one runs inside."""
 
     def __enter__(self) -> None:
         with _hooks_lock:
@@ -196,10 +201,10 @@ class _watching:
                              register_module_forward_hook(_after, always_call=True)]
                 own_global_hooks(_hooks)
             _hook_users[0] += 1
-        _local.watch = self.watch
+        self.outer, _local.watch = _local.watch, self.watch
 
     def __exit__(self, *exc: Any) -> None:
-        _local.watch = None
+        _local.watch = self.outer
         with _hooks_lock:
             _hook_users[0] -= 1
             if not _hook_users[0]:
@@ -333,11 +338,11 @@ class MethodEntries:
         except Exception as exc:  # noqa: BLE001: any failure of the capture
             self.converted.pop(name, None)
             why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        _local.method += 1
+        _local.running.append(gm)
         try:
             result = func(gm, *args, **kwargs)  # the model's own error, if it is one
         finally:
-            _local.method -= 1
+            _local.running.pop()
         self.decided[name] = why
         _warn_eager(gm, name, module, path, f"it could not be captured ({why})")
         return result

@@ -215,9 +215,15 @@ def _checkpointed(model: torch.nn.Module, out: pathlib.Path, bf16: bool,
         disable_tqdm=True)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_Batches(),
                                    eval_dataset=_Batches())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the recapture after save_pretrained sets the config
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    # save_pretrained writes config.architectures and config.dtype at each checkpoint: records
+    # no forward reads, which capture nothing again (the Trainer's own use_cache switch does)
+    recaptures = [str(w.message) for w in seen
+                  if issubclass(w.category, amprewrite.RecaptureWarning)]
+    assert all("use_cache" in m for m in recaptures), recaptures
+    assert not any("architectures" in m or "config.dtype" in m for m in recaptures), recaptures
     return trainer
 
 

@@ -124,7 +124,7 @@ class StateSnapshot:
                     continue
                 seen.add(key)
                 self._configs.append((config, _config_name(config, root)))
-                self._frozen_configs.append(freeze(dict(config.__dict__), configs))
+                self._frozen_configs.append(_freeze_config(config, configs))
         self._bind()
 
     def _bind(self) -> None:
@@ -277,6 +277,41 @@ _PARTS = (("_values", "_frozen_values"), ("_absent", "_absent"), ("_walked", "_f
 """Each kind of item and its frozen values (the item list itself where nothing is frozen)."""
 
 _GONE = type("_Gone", (), {"__repr__": lambda self: "<deleted>"})()
+
+
+CONFIG_RECORDS = frozenset({"architectures", "dtype", "torch_dtype", "transformers_version",
+                            "_name_or_path", "_commit_hash"})
+"""Config entries that record where a model came from and how it was saved, which no forward
+reads: ``save_pretrained`` (and so ``Trainer``'s checkpoints) writes ``architectures`` and
+``dtype``, and a graph captured again after every first save would cost a capture and a
+warning for nothing."""
+
+
+class _Unread:
+    """A frozen config record (:data:`CONFIG_RECORDS`): equal to whatever it becomes."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: Any) -> bool:
+        return True
+
+    def __ne__(self, other: Any) -> bool:
+        return False
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return "<not compared>"
+
+
+_UNREAD = _Unread()
+
+
+def _freeze_config(config: Any, configs: dict[int, Any]) -> dict[str, Any]:
+    """The config's entries frozen, its records (:data:`CONFIG_RECORDS`) as equal to anything:
+    the per-call check compares the whole dict in C, so they stay in it, never compared."""
+    return {k: _UNREAD if k in CONFIG_RECORDS else freeze(v, configs)
+            for k, v in config.__dict__.items()}
 
 
 def _same(frozen: Any, live: Any) -> bool:

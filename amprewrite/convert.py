@@ -8,16 +8,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .capture.converted import CONVERTED_KEY, MODEL_KEY, is_converted
-from .module.cache import GraphCache
-from .module.calling import finish
-from .module.first_call import placeholder_module
-from .module.model_view import adopt_model
-from .module.tree import adopt_children, register_view
 from .options import ConvertOptions, resolve_dtype
-from .passes.opt_levels import OPT_LEVEL_KEY, OptLevel
 from .policy.policy import Policy
-from .recipe import CaptureRecipe
+from .recipe import converted_module
 
 __all__ = ["convert", "resolve_dtype"]
 
@@ -91,34 +84,4 @@ def convert(
     options = ConvertOptions.checked(
         model, example_inputs, example_kwargs, policy=policy, dtype=dtype, capture=capture,
         opt_level=opt_level, calibrate=calibrate, on_change=on_change)
-    first_call = capture == "export" and example_inputs is None and example_kwargs is None
-    recipe = CaptureRecipe(model, options, has_inputs=first_call or example_inputs is not None
-                           or example_kwargs is not None)
-    if first_call:  # captured at its first call, from its inputs (:mod:`.module.first_call`)
-        level, low = options.opt_level, options.low
-        meta: dict[str, Any] = {CONVERTED_KEY: (options.policy, low),
-                                MODEL_KEY: type(model).__name__}
-        if level != "O1":
-            meta[OPT_LEVEL_KEY] = OptLevel(level, None if level == "O0" else low)
-        gm = finish(placeholder_module(model, meta, o2=level == "O2",
-                                       shares=recipe.view))
-        if recipe.view:
-            adopt_children(gm, model)
-            register_view(gm, model)
-        GraphCache(recipe, options.on_change, first_call=True).attach(gm)
-        adopt_model(gm, model)  # ``(*args, **kwargs)`` until then: the model's signature
-        return gm
-    entries = recipe.capture(example_inputs, example_kwargs)
-    gm = entries[0].holder  # not held yet: its own module
-    assert gm is not None
-    if recipe.view:  # NB: before the cache's stamp, which its first hooks move
-        register_view(gm, model)
-    cache = GraphCache(recipe, options.on_change)
-    cache.start(gm, entries, "at conversion", recipe.watch(gm))
-    cache.attach(gm)
-    if not is_converted(model):
-        # NB: the model's signature, not the capture's (which names the example's inputs):
-        # Trainer reads it to pick the columns and whether to pass num_items_in_batch, and
-        # must treat the converted module as it treats the model
-        adopt_model(gm, model)
-    return gm
+    return converted_module(model, options, example_inputs, example_kwargs)

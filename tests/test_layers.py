@@ -40,7 +40,7 @@ LAYERS = [
     {"capture"},
     {"module"},
     {"passes"},
-    {"convert", "options"},
+    {"convert", "options", "recipe"},
     {"compile_backend", "compiled_view"},
     {"summary", "code_view"},
     {"explain"},

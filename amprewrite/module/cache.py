@@ -133,6 +133,10 @@ class Recipe(Protocol):
         inputs (``varying``: their dimensions to make symbolic), sharing ``gm``'s root tensors;
         the first is the one to hold."""
 
+    def part(self, module: nn.Module) -> fx.GraphModule:
+        """``module`` (a submodule of the model, or one that runs a method of it) converted as
+        the model was, captured at its first call (:mod:`.methods`)."""
+
     def capture_mode(self, gm: fx.GraphModule, training: bool, like: Entry) -> Entry | None:
         """The entry of ``training`` mode for ``like``'s group (which ``gm`` holds), captured
         with its inputs; None where it is ``like``'s code."""

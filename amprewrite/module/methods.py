@@ -298,6 +298,7 @@ class MethodEntries:
     def __init__(self, cache: GraphCache) -> None:
         options = getattr(cache.recipe, "options", None)
         self.options = options
+        self.recipe = cache.recipe
         level = getattr(options, "opt_level", None)
         self.why_not = "" if level in _CONVERTIBLE_LEVELS and cache.recipe.view else (
             f"a module converted at opt_level={level!r} keeps its low-precision weights "
@@ -318,10 +319,9 @@ class MethodEntries:
         return entries
 
     def _convert(self, module: nn.Module) -> fx.GraphModule:
-        from ..convert import convert  # NB: convert imports this package
-        options = self.options
-        return convert(module, capture="export", policy=options.policy, dtype=options.low,
-                       opt_level=options.opt_level, on_change=options.on_change)
+        # NB: through the converted module's recipe (which convert made), not convert: this
+        # package sits below both
+        return self.recipe.part(module)
 
     def run(self, gm: Any, name: str, args: tuple, kwargs: dict[str, Any]) -> Any:
         """Call ``name``'s entry in ``gm``'s mode."""

@@ -2,6 +2,6 @@
 recipe its cache calls back (``capture_recipe``), and the capture and passes it runs for each
 mode (``rewrite``)."""
 
-from .capture_recipe import CaptureRecipe
+from .capture_recipe import CaptureRecipe, converted_module
 
-__all__ = ["CaptureRecipe"]
+__all__ = ["CaptureRecipe", "converted_module"]

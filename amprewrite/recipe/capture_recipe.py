@@ -1,8 +1,11 @@
-"""The recipe a converted module captures its model by: :class:`CaptureRecipe`.
+"""The recipe a converted module captures its model by: :class:`CaptureRecipe`, and the
+converted module made from it: :func:`converted_module`.
 
-``convert`` makes one and hands it to the module's :class:`~amprewrite.module.cache.GraphCache`,
-which calls it back at every later capture (a new state, new input sizes, the other mode, the
-first call of ``capture="export"``). It takes the model as it is now, captures and rewrites it
+``convert`` checks its arguments and calls :func:`converted_module`, which makes a recipe and
+hands it to the module's :class:`~amprewrite.module.cache.GraphCache`, which calls it back at
+every later capture (a new state, new input sizes, the other mode, the first call of
+``capture="export"``) and, through :meth:`CaptureRecipe.part`, for the model's methods and
+the submodules its code hands out (:mod:`amprewrite.module.methods`). It takes the model as it is now, captures and rewrites it
 (:mod:`.rewrite`), and finishes the graphs as a converted module's: the model's own tensor dicts
 and children in every graph, the inputs each was captured for, its calls and copies."""
 
@@ -13,22 +16,25 @@ from typing import Any
 import torch.fx as fx
 import torch.nn as nn
 
-from ..capture.converted import MODEL_KEY, is_converted
+from ..capture.converted import CONVERTED_KEY, MODEL_KEY, is_converted
 from ..capture.export import DynamicDims
 from ..capture.logs import quiet_capture_logs
 from ..capture.state import preserved_global_state
 from ..graph.inputs import record_inputs
-from ..module.cache import Entry
+from ..module.cache import Entry, GraphCache
 from ..module.calling import finish
+from ..module.first_call import placeholder_module
 from ..module.isolation import CAPTURE_LOCK, outside_modes
+from ..module.model_view import adopt_model
 from ..module.model_watch import ModelWatch, share_tensor_dicts, watch_model
 from ..module.modes import NOT_CAPTURED_KEY, in_mode
 from ..module.sharing import rebind_table, relink_graph
-from ..module.tree import adopt_children
+from ..module.tree import adopt_children, register_view
 from ..options import ConvertOptions
+from ..passes.opt_levels import OPT_LEVEL_KEY, OptLevel
 from .rewrite import ModePair, capture_and_rewrite, capture_other
 
-__all__ = ["CaptureRecipe"]
+__all__ = ["CaptureRecipe", "converted_module"]
 
 
 class CaptureRecipe:
@@ -105,6 +111,16 @@ class CaptureRecipe:
             rebind_table(other)  # its weights read through the model's modules
         return Entry(finish(other), (training,), like.source, like.inputs, like.varying)
 
+    def part(self, module: nn.Module) -> fx.GraphModule:
+        """``module`` (a submodule of the model, or one that runs a method of it) converted
+        with this recipe's policy, dtype, opt level and ``on_change``, captured at its first
+        call from that call's inputs."""
+        o = self.options
+        options = ConvertOptions.checked(
+            module, None, None, policy=o.policy, dtype=o.low, capture="export",
+            opt_level=o.opt_level, calibrate=None, on_change=o.on_change)
+        return converted_module(module, options, None, None)
+
     def watch(self, gm: fx.GraphModule) -> ModelWatch | None:
         """The watch over the model's hooks and tensor slots, made once ``gm`` holds the
         model's tensors (at conversion, or at the first call)."""
@@ -118,3 +134,41 @@ def _record_inputs(gm: fx.GraphModule, model: nn.Module, args: tuple | None,
     if (args is not None or kwargs is not None) and not is_converted(model):
         exported = capture == "export" or capture == "auto"
         record_inputs(gm, model, args or (), kwargs, sizes_fixed=exported)
+
+
+def converted_module(model: nn.Module, options: ConvertOptions, example_inputs: tuple | None,
+                     example_kwargs: dict[str, Any] | None) -> fx.GraphModule:
+    """``convert(model, ...)`` once its arguments are checked (``options``): the converted
+    module, captured now from the example inputs, or at its first call where
+    ``capture="export"`` comes without them (:mod:`amprewrite.module.first_call`)."""
+    first_call = options.capture == "export" and example_inputs is None \
+        and example_kwargs is None
+    recipe = CaptureRecipe(model, options, has_inputs=first_call or example_inputs is not None
+                           or example_kwargs is not None)
+    if first_call:
+        level, low = options.opt_level, options.low
+        meta: dict[str, Any] = {CONVERTED_KEY: (options.policy, low),
+                                MODEL_KEY: type(model).__name__}
+        if level != "O1":
+            meta[OPT_LEVEL_KEY] = OptLevel(level, None if level == "O0" else low)
+        gm = finish(placeholder_module(model, meta, o2=level == "O2", shares=recipe.view))
+        if recipe.view:
+            adopt_children(gm, model)
+            register_view(gm, model)
+        GraphCache(recipe, options.on_change, first_call=True).attach(gm)
+        adopt_model(gm, model)  # ``(*args, **kwargs)`` until then: the model's signature
+        return gm
+    entries = recipe.capture(example_inputs, example_kwargs)
+    gm = entries[0].holder  # not held yet: its own module
+    assert gm is not None
+    if recipe.view:  # NB: before the cache's stamp, which its first hooks move
+        register_view(gm, model)
+    cache = GraphCache(recipe, options.on_change)
+    cache.start(gm, entries, "at conversion", recipe.watch(gm))
+    cache.attach(gm)
+    if not is_converted(model):
+        # NB: the model's signature, not the capture's (which names the example's inputs):
+        # Trainer reads it to pick the columns and whether to pass num_items_in_batch, and
+        # must treat the converted module as it treats the model
+        adopt_model(gm, model)
+    return gm

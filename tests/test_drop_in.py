@@ -19,6 +19,7 @@ import torch.nn.utils.prune
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amprewrite
+from _versions import TORCH_RELEASE
 from amprewrite import AmpRewriteError, RecaptureWarning
 
 PRESET = amprewrite.Policy.autocast("cpu", torch.bfloat16)
@@ -438,8 +439,11 @@ def test_a_forward_that_writes_its_own_state_is_refused_and_the_model_left_as_it
 def test_hf_generate_with_a_kv_cache_runs_the_converted_forward() -> None:
     """``gm.generate`` (the model's method, with the converted module as ``self``): a prefill
     call, then decode calls whose KV cache grows, at two prompt lengths; the tokens are eager
-    autocast's, and the cache's length is made dynamic once: three graphs in all (the first
-    prefill, the decode steps, the prefills of other lengths), not one per length (the
+    autocast's, and the cache's length is made dynamic once: one graph for every decode
+    step, and the prefills' (whose length the second prompt makes dynamic; torch 2.11 keeps
+    the prompt's length fixed, one prefill graph per length), not one per length (a prefill
+    is compared with the prefill's graph, not the decode steps' held last:
+    cache.GraphCache._hold_nearest; the
     keywords ``generate`` passes to the ``**kwargs`` of the forward are named for torch.export,
     :mod:`amprewrite.capture.keywords`)."""
     transformers = pytest.importorskip("transformers")
@@ -457,8 +461,18 @@ def test_hf_generate_with_a_kv_cache_runs_the_converted_forward() -> None:
             with torch.autocast("cpu", torch.bfloat16):
                 expected = model.generate(ids, max_new_tokens=6, do_sample=False)
         assert tokens.shape == (1, length + 6) and torch.equal(tokens, expected), length
-    kept = amprewrite.module.cache.cache_of(gm).entries
-    assert len(kept) == 3, amprewrite.module.cache.cache_of(gm).describe()
+    cache = amprewrite.module.cache.cache_of(gm)
+
+    def takes_a_cache(entry: amprewrite.module.cache.Entry) -> bool:
+        """A decode step's graph: its inputs hold the KV cache."""
+        specs = entry.graph(gm).meta[amprewrite.graph.inputs.INPUTS_KEY]
+        return any(spec.name.startswith(("cache[", "past_key_values[")) for spec in specs)
+
+    decode = [e for e in cache.entries if takes_a_cache(e)]
+    prefill = [e for e in cache.entries if e not in decode]
+    assert len(decode) == 1, cache.describe()
+    # measured: one on 2.13 and 2.14, one per prompt length on 2.11 (2.12 not measured)
+    assert len(prefill) in ((1,) if TORCH_RELEASE >= (2, 13) else (1, 2)), cache.describe()
     assert "forward" not in model.__dict__  # the forward presented to torch.export is gone
 
 

@@ -191,12 +191,14 @@ def _named_or_none(gm: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[s
         return None
 
 
-def changed_dims(gm: nn.Module, args: tuple, kwargs: dict[str, Any]) -> set[tuple[str, int]] | None:
+def changed_dims(gm: nn.Module, args: tuple, kwargs: dict[str, Any],
+                 named_by: nn.Module | None = None) -> set[tuple[str, int]] | None:
     """The ``(input name, dimension)`` pairs where a call's tensors differ in size from the
     ones ``gm`` fixed, all else (dtypes, ranks, scalars) fitting; None where something other
-    than a size differs (a new capture for those inputs, not a dynamic dimension)."""
+    than a size differs (a new capture for those inputs, not a dynamic dimension).
+    ``named_by``: as for :func:`input_mismatch`."""
     specs = getattr(gm, "meta", {}).get(INPUTS_KEY)
-    named = _named_or_none(gm, args, kwargs)
+    named = _named_or_none(gm if named_by is None else named_by, args, kwargs)
     if not specs or named is None:
         return None
     dims: set[tuple[str, int]] = set()
@@ -228,17 +230,21 @@ def _other_arguments(specs: tuple[InputSpec, ...], named: dict[str, Any]
     return out
 
 
-def other_arguments(gm: nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:
-    """Whether a call passes arguments ``gm`` was not captured with, or lacks some it was."""
+def other_arguments(gm: nn.Module, args: tuple, kwargs: dict[str, Any],
+                    named_by: nn.Module | None = None) -> bool:
+    """Whether a call passes arguments ``gm`` was not captured with, or lacks some it was.
+    ``named_by``: as for :func:`input_mismatch`."""
     specs = getattr(gm, "meta", {}).get(INPUTS_KEY)
-    named = _named_or_none(gm, args, kwargs)
+    named = _named_or_none(gm if named_by is None else named_by, args, kwargs)
     return bool(specs) and named is not None and bool(_other_arguments(specs, named))
 
 
-def scalar_changes(gm: nn.Module, args: tuple, kwargs: dict[str, Any]) -> list[str]:
-    """The Python scalar arguments of a call that differ from the values ``gm`` holds."""
+def scalar_changes(gm: nn.Module, args: tuple, kwargs: dict[str, Any],
+                   named_by: nn.Module | None = None) -> list[str]:
+    """The Python scalar arguments of a call that differ from the values ``gm`` holds.
+    ``named_by``: as for :func:`input_mismatch`."""
     specs = getattr(gm, "meta", {}).get(INPUTS_KEY) or ()
-    named = _named_or_none(gm, args, kwargs) or {}
+    named = _named_or_none(gm if named_by is None else named_by, args, kwargs) or {}
     return [spec.name for spec in specs
             if spec.dtype is None and spec.name in named and _mismatch(spec, named[spec.name])]
 

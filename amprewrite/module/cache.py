@@ -266,6 +266,30 @@ class GraphCache:
                 return True
         return False
 
+    def _hold_nearest(self, gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Hold, of the entries that take the call's arguments and scalars and differ from it
+        in sizes only, the one held last (if the held one is not such an entry): what the
+        call changed is then a size of that entry, not another set of arguments. A decoding
+        loop alternates between them: ``generate`` of an encoder-decoder calls its decoder
+        without a KV cache at the first step and with one of another length at each later
+        step; each length is a size (dropped least recently used at the bound), where a
+        comparison with the cache-less entry would count every step as a new state."""
+        def near(entry: Entry) -> bool:
+            graph = entry.graph(gm)
+            state = entry.state(gm)
+            return gm.training in entry.modes and state is not None and state.holds() and \
+                not other_arguments(graph, args, kwargs, named_by=gm) and \
+                not scalar_changes(graph, args, kwargs, named_by=gm) and \
+                changed_dims(graph, args, kwargs, named_by=gm) is not None
+
+        held = self.held
+        if held is not None and near(held):
+            return
+        nearest = [e for e in self.entries if e is not held and near(e)]
+        if nearest:
+            self._hold(gm, max(nearest, key=lambda e: (self._last_held.get(e.group, 0),
+                                                       e.group)))
+
     def _drop_group(self, group: int) -> None:
         self.entries = [e for e in self.entries if e.group != group or e is self.held]
 
@@ -438,6 +462,7 @@ class GraphCache:
 
         if self._hold_first(gm, fits):
             return True
+        self._hold_nearest(gm, args, kwargs)
         dims = changed_dims(gm, args, kwargs)
         scalars = scalar_changes(gm, args, kwargs)
         if dims is None and not scalars and not self.first_call and \

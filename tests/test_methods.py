@@ -306,11 +306,31 @@ def _bart() -> nn.Module:
     return transformers.BartForConditionalGeneration(config).eval()
 
 
+def _whisper() -> nn.Module:
+    config = transformers.WhisperConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, num_mel_bins=16, max_source_positions=16, max_target_positions=32,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.WhisperForConditionalGeneration(config).eval()
+    model.generation_config.forced_decoder_ids = None
+    return model
+
+
+def _prompt(model: nn.Module) -> torch.Tensor:
+    """Token ids, or a Whisper model's log-mel features (16 bins, 32 frames)."""
+    gen = torch.Generator().manual_seed(1)
+    if isinstance(model, transformers.WhisperForConditionalGeneration):
+        return torch.randn(2, 16, 32, generator=gen)
+    return torch.randint(3, 64, (2, 6), generator=gen)
+
+
 GENERATE = {"greedy": {"do_sample": False}, "beam": {"num_beams": 2, "do_sample": False},
             "sampled": {"do_sample": True, "top_k": 8}}
 
 
-@pytest.mark.parametrize("build", [_t5, _bart], ids=["t5", "bart"])
+@pytest.mark.parametrize("build", [_t5, _bart, _whisper], ids=["t5", "bart", "whisper"])
 def test_encoder_decoder_generate_runs_its_encoder_converted(build: Callable[[], nn.Module]
                                                              ) -> None:
     """``generate`` calls ``self.get_encoder()(...)``, the model's encoder handed out: it
@@ -322,7 +342,7 @@ def test_encoder_decoder_generate_runs_its_encoder_converted(build: Callable[[],
     batch 2 and 4 make more lengths and batches than the 8 graphs kept)."""
     model = build()
     gm = amprewrite.convert(model, capture="export", policy=PRESET)
-    ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(1))
+    ids = _prompt(model)
     for how, options in GENERATE.items():
         def run(module: nn.Module) -> Callable[[], Any]:
             def call() -> Any:

@@ -197,40 +197,42 @@ def train(rank: int, family: str, policy: str, level: str | None, *, checkpointi
     return out
 
 
-def launch(script: str, world: int, args: list[str], timeout_s: float) -> list[pathlib.Path]:
-    """Run ``python script RANK WORLD PORT OUT *args`` for each rank; the ranks' output
-    files (the caller loads them), or RuntimeError with both ranks' logs."""
+def launch(script: str, world: int, args: list[str], timeout_s: float) -> list[Any]:
+    """Run ``python script RANK WORLD PORT OUT *args`` for each rank, one process each, under
+    ``timeout_s``; what each rank saved to its ``OUT`` (``torch.save``), or RuntimeError with
+    the end of both ranks' logs."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     root = pathlib.Path(__file__).resolve().parents[1]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [str(root), str(root / "benchmarks"), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="fsdp2-blocks-"))
-    outs = [tmp / f"rank{r}.pt" for r in range(world)]
-    logs = [open(tmp / f"rank{r}.log", "w+") for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, script, str(r), str(world), str(port),
-                               str(outs[r]), *args], env=env, stdout=logs[r],
-                              stderr=subprocess.STDOUT) for r in range(world)]
-    deadline = time.monotonic() + timeout_s
-    try:
-        for p in procs:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(p.returncode != 0 for p in procs) or not all(o.exists() for o in outs):
+    with tempfile.TemporaryDirectory(prefix="gloo-ranks-") as tmp:
+        outs = [pathlib.Path(tmp) / f"rank{r}.pt" for r in range(world)]
+        logs = [open(pathlib.Path(tmp) / f"rank{r}.log", "w+") for r in range(world)]
+        procs = [subprocess.Popen([sys.executable, script, str(r), str(world), str(port),
+                                   str(outs[r]), *args], env=env, stdout=logs[r],
+                                  stderr=subprocess.STDOUT) for r in range(world)]
+        deadline = time.monotonic() + timeout_s
+        try:
+            for p in procs:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         text = []
         for r, log in enumerate(logs):
             log.seek(0)
             text.append(f"--- rank {r} (exit {procs[r].returncode}) ---\n{log.read()[-4000:]}")
-        raise RuntimeError(f"the gloo workers failed or timed out ({timeout_s} s):\n"
-                           + "\n".join(text))
-    return outs
+            log.close()
+        if any(p.returncode != 0 for p in procs) or not all(o.exists() for o in outs):
+            raise RuntimeError(f"the gloo workers failed or timed out ({timeout_s} s):\n"
+                               + "\n".join(text))
+        return [torch.load(o, weights_only=False) for o in outs]
 
 
 def init_rank(rank: int, world: int, port: int) -> None:

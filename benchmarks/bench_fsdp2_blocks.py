@@ -40,8 +40,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=128)
     args = parser.parse_args()
-    outs = F2.launch(__file__, 2, [str(args.layers), str(args.hidden)], timeout_s=900)
-    res = torch.load(outs[0], weights_only=False)
+    res = F2.launch(__file__, 2, [str(args.layers), str(args.hidden)], timeout_s=900)[0]
     first = next(iter(res.values()))
     model, block = first["model_bytes"], first["block_bytes"]
     rows = []

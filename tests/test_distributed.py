@@ -19,12 +19,8 @@ script, bounded by a timeout); each test checks one scenario's results.
 from __future__ import annotations
 
 import os
-import pathlib
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 import traceback
 import warnings
 from typing import Any
@@ -40,6 +36,9 @@ import amprewrite
 from amprewrite import Policy
 from amprewrite.explain import explain_records
 from _versions import TORCH_RELEASE
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from _fsdp2_blocks import launch  # noqa: E402  (the gloo launcher the benchmark uses too)
 
 GLOO = dist.is_available() and dist.is_gloo_available()
 needs_gloo = pytest.mark.skipif(not GLOO, reason="needs torch.distributed with gloo")
@@ -262,47 +261,15 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Test side
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
     """Run every scenario on 2 gloo ranks once; the results of rank 0 and rank 1."""
     if not GLOO:
         pytest.skip("needs torch.distributed with gloo")
-    port = _free_port()
-    root = pathlib.Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]), OMP_NUM_THREADS="1")
-    with tempfile.TemporaryDirectory() as tmp:
-        outs = [pathlib.Path(tmp) / f"rank{r}.pt" for r in range(WORLD)]
-        logs = [open(pathlib.Path(tmp) / f"rank{r}.log", "w+") for r in range(WORLD)]
-        procs = [subprocess.Popen([sys.executable, __file__, str(r), str(WORLD), str(port),
-                                   str(outs[r])], env=env, stdout=logs[r],
-                                  stderr=subprocess.STDOUT) for r in range(WORLD)]
-        deadline = time.monotonic() + TIMEOUT_S
-        try:
-            for p in procs:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        text = []
-        for r, log in enumerate(logs):
-            log.seek(0)
-            text.append(f"--- rank {r} (exit {procs[r].returncode}) ---\n{log.read()[-4000:]}")
-            log.close()
-        if any(p.returncode != 0 for p in procs) or not all(o.exists() for o in outs):
-            pytest.fail("the gloo workers failed or timed out "
-                        f"({TIMEOUT_S} s):\n" + "\n".join(text))
-        return [torch.load(o, weights_only=False) for o in outs]
+    try:
+        return launch(__file__, WORLD, [], TIMEOUT_S)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
 
 
 def _result(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:

@@ -64,10 +64,9 @@ def ranks() -> list[dict[Any, Any]]:
         pytest.skip("needs FSDP2 (torch.distributed.fsdp.fully_shard)")
     pytest.importorskip("transformers")
     try:
-        outs = F2.launch(__file__, WORLD, [], TIMEOUT_S)
+        return F2.launch(__file__, WORLD, [], TIMEOUT_S)
     except RuntimeError as exc:
         pytest.fail(str(exc))
-    return [torch.load(o, weights_only=False) for o in outs]
 
 
 def _runs(ranks: list[dict[Any, Any]], run: tuple) -> list[dict[str, Any]]:

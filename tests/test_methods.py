@@ -337,12 +337,14 @@ def test_encoder_decoder_generate_runs_its_encoder_converted(build: Callable[[],
     runs converted (an entry ``get_encoder()``), the decoder through the converted forward;
     tokens and scores are eager autocast's, bitwise, and no matmul runs in fp32. With the KV
     cache (the default) the decoder is called without a cache at the first step and with one
-    a step longer at each later one, whose length these models fix: one graph per length,
-    the ones used last kept, never a failing call in the middle of the loop (three loops of
-    batch 2 and 4 make more lengths and batches than the 8 graphs kept)."""
+    a step longer at each later one: the second cached step makes the cache's length dynamic
+    (an encoder-decoder cache and the encoder's outputs, a ModelOutput, are given to
+    torch.export as their flattened children), beam search's batch makes the batch dynamic,
+    and the sampled loop captures nothing."""
     model = build()
     gm = amprewrite.convert(model, capture="export", policy=PRESET)
     ids = _prompt(model)
+    captures = {}
     for how, options in GENERATE.items():
         def run(module: nn.Module) -> Callable[[], Any]:
             def call() -> Any:
@@ -350,11 +352,18 @@ def test_encoder_decoder_generate_runs_its_encoder_converted(build: Callable[[],
                 return module.generate(ids, max_new_tokens=5, output_scores=True,
                                        return_dict_in_generate=True, **options)
             return call
-        out, fp32, total = fp32_matmuls(quiet(run(gm)))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            out, fp32, total = fp32_matmuls(run(gm))
+        captures[how] = [str(w.message) for w in seen
+                         if issubclass(w.category, amprewrite.RecaptureWarning)]
         expected, expected_fp32, _ = fp32_matmuls(autocast(run(model)))
         assert torch.equal(out.sequences, expected.sequences), how
         assert all(torch.equal(a, b) for a, b in zip(out.scores, expected.scores)), how
         assert total > 0 and fp32 == expected_fp32 == 0, (how, fp32, total)
+    # first cached step, then the cache's length dynamic; the batch of 2 beams; nothing new
+    assert [len(c) for c in captures.values()] == [2, 3, 0], captures
+    assert not any("cannot take a symbolic size" in m for c in captures.values() for m in c)
     methods = cache_of(gm).methods
     assert list(methods.converted) == ["get_encoder()"]
     assert cache_of(methods.converted["get_encoder()"]).model is model.get_encoder()

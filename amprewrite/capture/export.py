@@ -278,18 +278,37 @@ def dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
                 dims.update(dynamic_dims(x))
             dynamic = dynamic or len(dims) > 0
             return {i: auto for i in sorted(dims)}
+        if type(x) in (list, tuple):
+            return type(x)(spec(v, f"{name}[{i}]", default) for i, v in enumerate(x))
+        if type(x) is dict:
+            return {k: spec(v, f"{name}[{k!r}]", default) for k, v in x.items()}
+        if type(x) in pytree.SUPPORTED_NODES:
+            # a registered class (transformers' caches, a ModelOutput such as the
+            # encoder_outputs of an encoder-decoder's decode step, a dict subclass):
+            # torch.export takes the shapes of its flattened children, and of a registered
+            # class among them (an encoder-decoder cache's two caches) its flattened children
+            # again, never the class rebuilt; each tensor named by pytree's keys for it
+            names = iter([name + pytree.keystr(path)
+                          for path, _ in pytree.tree_flatten_with_path(x)[0]])
+            return children(x, names, default)
         if isinstance(x, (list, tuple)):
             return type(x)(spec(v, f"{name}[{i}]", default) for i, v in enumerate(x))
         if isinstance(x, dict):
             return {k: spec(v, f"{name}[{k!r}]", default) for k, v in x.items()}
-        node = pytree.SUPPORTED_NODES.get(type(x))
-        if node is not None:  # a registered class (transformers' caches): torch.export takes
-            # the shapes of its flattened children, named by pytree's keys for them
-            names = iter([name + pytree.keystr(path)
-                          for path, _ in pytree.tree_flatten_with_path(x)[0]])
-            return pytree.tree_map(lambda leaf: spec(leaf, next(names), default),
-                                   node.flatten_fn(x)[0])
         return None
+
+    def children(x: Any, names: Any, default: bool) -> Any:
+        if x is None:
+            return None
+        if type(x) in (list, tuple):
+            return type(x)(children(v, names, default) for v in x)
+        if type(x) is dict:
+            return {k: children(v, names, default) for k, v in x.items()}
+        node = pytree.SUPPORTED_NODES.get(type(x))
+        if node is not None:
+            return children(node.flatten_fn(x)[0], names, default)
+        leaf = next(names)
+        return spec(x, leaf, default) if isinstance(x, torch.Tensor) else None
 
     if kwargs and not varying:
         return None
